@@ -1,0 +1,97 @@
+"""Dispatch and start-up overhead of nbtool against raw ipyparallel.
+
+Prints, side by side in one run:
+- the median latency of a trivial ``%%distributed`` cell against ``%%px --block``
+  on the same 2 engines, both through one real InteractiveShell
+  (``dispatch_ratio``, target <= 1.2);
+- the time from ``%cluster start -n 2`` to a ready process group against raw
+  ``ipyparallel.Cluster(n=2).start_and_connect_sync()`` plus
+  ``init_process_group`` on each engine (``start_ratio``, target <= 1.2).
+Starts alternate between the two so drift on a noisy machine hits both.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import ipyparallel as ipp
+
+from _shell import nbtool_cluster, shell
+
+
+def raw_start(n: int = 2) -> tuple[float, ipp.Cluster]:
+    from nbtool.cluster import free_port
+
+    t0 = time.perf_counter()
+    cluster = ipp.Cluster(n=n, log_level=40)
+    rc = cluster.start_and_connect_sync()
+    port = free_port()
+
+    def init(rank, world, port):
+        import os
+        from datetime import timedelta
+
+        os.environ["CUDA_VISIBLE_DEVICES"] = ""
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}",
+                                rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        return dist.get_rank()
+
+    ars = [rc[eid].apply_async(init, r, n, port) for r, eid in enumerate(sorted(rc.ids))]
+    [ar.get() for ar in ars]
+    elapsed = time.perf_counter() - t0
+    rc.close()
+    return elapsed, cluster
+
+
+def median_cell(ip, cell: str, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        res = ip.run_cell(cell, silent=True)
+        times.append(time.perf_counter() - t0)
+        res.raise_error()
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--starts", type=int, default=2)
+    a = ap.parse_args()
+    ip = shell()
+
+    nb_starts, raw_starts = [], []
+    for _ in range(a.starts):
+        t, cluster = raw_start()
+        raw_starts.append(t)
+        cluster.stop_cluster_sync()
+        t0 = time.perf_counter()
+        ip.run_line_magic("cluster", "start -n 2")
+        nb_starts.append(time.perf_counter() - t0)
+        ip.run_line_magic("cluster", "stop")
+
+    ip.run_line_magic("cluster", "start -n 2")
+    rc = nbtool_cluster(ip).client
+    view = rc.direct_view(targets=sorted(rc.ids))
+    view.activate()  # registers %%px on the same engines
+    nb_cells, px_cells = [], []
+    for _ in range(5):  # interleave batches so drift hits both
+        px_cells.append(median_cell(ip, "%%px --block\nx = 1", a.reps // 5))
+        nb_cells.append(median_cell(ip, "%%distributed\nx = 1", a.reps // 5))
+    ip.run_line_magic("cluster", "stop")
+
+    nb_cell, px_cell = statistics.median(nb_cells), statistics.median(px_cells)
+    nb_start, raw_start_s = statistics.median(nb_starts), statistics.median(raw_starts)
+    print(f"%%px --block x=1 median:        {px_cell * 1e3:.2f} ms")
+    print(f"%%distributed x=1 median:       {nb_cell * 1e3:.2f} ms")
+    print(f"raw Cluster start + init_pg:    {raw_start_s:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in raw_starts)})")
+    print(f"%cluster start -n 2:            {nb_start:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in nb_starts)})")
+    print(f"start_ratio={nb_start / raw_start_s:.3f}")
+    print(f"dispatch_ratio={nb_cell / px_cell:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,25 @@
+"""nbtool: interactive distributed PyTorch training from Jupyter.
+
+``%load_ext nbtool`` registers the magics. This module stays import-light
+because engines import ``nbtool.rank`` (and so this file) too.
+"""
+__version__ = "0.1.0"
+
+_magics = None
+
+
+def load_ipython_extension(ipython):
+    global _magics
+    from .magics import NbtoolMagics
+
+    _magics = NbtoolMagics(ipython)
+    ipython.register_magics(_magics)
+
+
+def unload_ipython_extension(ipython):
+    """Stop the cluster: no engine or controller outlives the extension."""
+    global _magics
+    if _magics is not None and _magics.rank_cluster is not None:
+        _magics.rank_cluster.stop()
+        _magics.rank_cluster = None
+    _magics = None

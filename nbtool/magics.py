@@ -1,0 +1,191 @@
+"""IPython magics: parse the line, check it, call one function below.
+
+Every user mistake becomes a short UsageError naming the bad value and what
+is allowed; nothing here starts work before the line is known to be valid.
+"""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+
+from .options import (
+    BACKENDS,
+    ClusterOptions,
+    format_ranks,
+    parse_int_list,
+    parse_ranks,
+    positive_int,
+    positive_seconds,
+    rank_number,
+)
+
+#: strategy words accepted as the first argument of %%distributed
+STRATEGIES: tuple[str, ...] = ()
+
+NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
+
+
+def _cell_options(f):
+    """Options shared by %%distributed and %%rank."""
+    for a in (
+        argument("--timeout", type=positive_seconds, default=None,
+                 help="stop the cell after SECONDS, naming the ranks that had not finished"),
+        argument("--quiet", action="store_true",
+                 help="show nothing but errors (no rank output, no nbtool messages)"),
+    ):
+        f = a(f)
+    return f
+
+
+@magics_class
+class NbtoolMagics(Magics):
+    """%cluster, %%distributed, %%rank, %dist_push, %dist_pull."""
+
+    def __init__(self, shell):
+        super().__init__(shell)
+        self.rank_cluster = None  # RankCluster, imported lazily (ipyparallel is slow to import)
+
+    # -- helpers ---------------------------------------------------------
+    @property
+    def in_kernel(self) -> bool:
+        return getattr(self.shell, "kernel", None) is not None
+
+    def _require_cluster(self):
+        if self.rank_cluster is None or not self.rank_cluster.running:
+            raise UsageError(NO_CLUSTER)
+        return self.rank_cluster
+
+    # -- %cluster --------------------------------------------------------
+    @magic_arguments()
+    @argument("action", choices=["start", "status", "stop", "restart"], help="what to do")
+    @argument("-n", type=positive_int, default=None, help="number of ranks (engines); default 2")
+    @argument("--backend", choices=BACKENDS, default=None,
+              help="process-group backend; auto = nccl with one GPU per rank if GPUs exist, else gloo")
+    @argument("--gpus", default=None, help="GPU ids to use, one per rank, e.g. 0,1 or 0-3")
+    @argument("--timeout", type=positive_seconds, default=None,
+              help="seconds allowed for engines to start and join the process group (default 120)")
+    @line_magic
+    def cluster(self, line=""):
+        """Start, inspect, stop or restart the cluster of ranks.
+
+        ``%cluster start [-n N] [--backend auto|gloo|nccl] [--gpus 0,1] [--timeout S]``
+        starts N ipyparallel engines that are torch.distributed ranks 0..N-1
+        (one GPU each with nccl, or CPU ranks on gloo).
+        ``%cluster status`` shows a row per rank, ``%cluster stop`` ends it,
+        ``%cluster restart`` brings up fresh engines with the same options.
+        """
+        from . import session
+
+        args = parse_argstring(self.cluster, line)
+        start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
+                                         ("--gpus", args.gpus), ("--timeout", args.timeout)) if v is not None}
+        if args.action != "start" and start_opts:
+            raise UsageError(f"{', '.join(start_opts)} only apply to %cluster start, not {args.action}")
+        if args.action == "start":
+            opts = ClusterOptions(
+                n=args.n or 2,
+                backend=args.backend or "auto",
+                gpus=tuple(parse_int_list(args.gpus, "--gpus")) if args.gpus else None,
+                timeout=args.timeout or 120.0,
+            )
+            if self.rank_cluster is not None and self.rank_cluster.running:
+                raise UsageError(
+                    f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "
+                    "use %cluster restart for fresh engines, or %cluster stop first"
+                )
+            self.rank_cluster = session.start(opts, self.in_kernel)
+        elif args.action == "status":
+            return session.status(self._require_cluster())
+        elif args.action == "stop":
+            if self.rank_cluster is None:
+                raise UsageError("no cluster is running; nothing to stop")
+            session.stop(self.rank_cluster)
+            self.rank_cluster = None
+        else:
+            old = self._require_cluster()
+            session.stop(old)
+            self.rank_cluster = None
+            self.rank_cluster = session.start(old.options, self.in_kernel)
+
+    # -- %%distributed / %%rank -------------------------------------------
+    @magic_arguments()
+    @argument("strategy", nargs="?", default=None,
+              help="parallelism strategy to apply (see the list in the error for an unknown word)")
+    @argument("--ranks", default=None, help="run only on these ranks, e.g. 0 or 0,2-3 (default: all)")
+    @_cell_options
+    @no_var_expand
+    @cell_magic
+    def distributed(self, line, cell):
+        """Run the cell on every rank (or ``--ranks``), blocking until all finish.
+
+        Each rank keeps its own namespace between cells; ``rank``,
+        ``world_size``, ``device``, ``torch`` and ``dist``
+        (torch.distributed) are predefined there. Output streams live, then
+        shows grouped by rank; an exception on any rank fails the cell.
+        Ctrl-C interrupts every rank.
+        """
+        args = parse_argstring(self.distributed, line)
+        if args.strategy is not None and args.strategy not in STRATEGIES:
+            allowed = ", ".join(STRATEGIES) if STRATEGIES else "none yet"
+            raise UsageError(
+                f"unknown strategy {args.strategy!r}; allowed: {allowed} "
+                "(or no word to run the cell as written)"
+            )
+        return self._run(cell, args.ranks, args)
+
+    @magic_arguments()
+    @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")
+    @_cell_options
+    @no_var_expand
+    @cell_magic
+    def rank(self, line, cell):
+        """Run the cell on the given rank(s) only: ``%%rank 0`` is ``%%distributed --ranks 0``."""
+        args = parse_argstring(self.rank, line)
+        return self._run(cell, args.ranks, args)
+
+    def _run(self, cell, ranks_spec, args):
+        from . import session
+
+        cluster = self._require_cluster()
+        ranks = parse_ranks(ranks_spec, cluster.world_size)
+        session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet)
+
+    # -- %dist_push / %dist_pull -----------------------------------------
+    @magic_arguments()
+    @argument("names", nargs="+", help="kernel variables to copy to the ranks")
+    @argument("--ranks", default=None, help="only these ranks, e.g. 0 or 0,2-3 (default: all)")
+    @line_magic
+    def dist_push(self, line=""):
+        """Copy kernel variables into every rank's namespace (or ``--ranks``)."""
+        from . import session
+
+        args = parse_argstring(self.dist_push, line)
+        missing = [n for n in args.names if n not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"{missing[0]!r} is not defined in the kernel; define it before %dist_push")
+        cluster = self._require_cluster()
+        ranks = parse_ranks(args.ranks, cluster.world_size)
+        session.push(cluster, {n: self.shell.user_ns[n] for n in args.names}, ranks)
+
+    @magic_arguments()
+    @argument("names", nargs="+", help="rank variables to copy into the kernel")
+    @argument("--rank", type=rank_number, default=None,
+              help="take the value from this rank; without it each name becomes a list indexed by rank")
+    @line_magic
+    def dist_pull(self, line=""):
+        """Copy rank variables into the kernel.
+
+        ``%dist_pull loss --rank 0`` sets ``loss`` to rank 0's value;
+        ``%dist_pull loss`` sets ``loss`` to ``[value on rank 0, value on rank 1, ...]``.
+        """
+        from . import session
+
+        args = parse_argstring(self.dist_pull, line)
+        cluster = self._require_cluster()
+        if args.rank is not None and args.rank >= cluster.world_size:
+            raise UsageError(
+                f"--rank {args.rank} does not exist; this cluster has ranks {format_ranks(range(cluster.world_size))}"
+            )
+        values = session.pull(cluster, args.names, args.rank)
+        self.shell.user_ns.update(values)

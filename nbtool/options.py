@@ -1,0 +1,150 @@
+"""Typed options for the magics, and the checks that turn bad values into UsageErrors.
+
+Every message names the bad value and what is allowed, so a user can fix the
+line without reading a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import dataclass
+
+from IPython.core.error import UsageError
+
+BACKENDS = ("auto", "gloo", "nccl")
+
+
+def _argtype(name: str, convert, check, allowed: str):
+    """An argparse ``type=`` that reports the value and what is allowed."""
+
+    def parse(text: str):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or not check(value):
+            raise argparse.ArgumentTypeError(f"{name} {text!r} is not valid; expected {allowed}")
+        return value
+
+    parse.__name__ = name
+    return parse
+
+
+positive_int = _argtype("value", int, lambda v: v >= 1, "an integer >= 1")
+positive_seconds = _argtype("seconds", float, lambda v: v > 0, "a number of seconds > 0")
+rank_number = _argtype("rank", int, lambda v: v >= 0, "a rank number >= 0")
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """'0,2-3' -> [0, 2, 3]; raises UsageError naming the bad part."""
+    out: list[int] = []
+    for part in text.split(","):
+        m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
+        if not m:
+            raise UsageError(
+                f"{what} {text!r}: {part.strip()!r} is not a number or range; "
+                f"use numbers and ranges like 0 or 0,2-3"
+            )
+        lo = int(m.group(1))
+        hi = int(m.group(2)) if m.group(2) is not None else lo
+        if hi < lo:
+            raise UsageError(f"{what} {text!r}: range {lo}-{hi} is backwards; write {hi}-{lo}")
+        out.extend(range(lo, hi + 1))
+    if len(set(out)) != len(out):
+        raise UsageError(f"{what} {text!r} names a number twice")
+    return sorted(out)
+
+
+def parse_ranks(text: str | None, world_size: int) -> list[int]:
+    """Ranks selected by ``--ranks`` (all when None), checked against the cluster."""
+    if text is None:
+        return list(range(world_size))
+    ranks = parse_int_list(text, "--ranks")
+    bad = [r for r in ranks if r >= world_size]
+    if bad:
+        raise UsageError(
+            f"--ranks {text!r}: rank {bad[0]} does not exist; this cluster has ranks "
+            f"{format_ranks(range(world_size))}"
+        )
+    return ranks
+
+
+def format_ranks(ranks) -> str:
+    """[0, 1, 2, 5] -> '0-2,5'."""
+    ranks = sorted(ranks)
+    parts: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ",".join(parts)
+
+
+def label_ranks(ranks) -> str:
+    """[1] -> 'rank 1'; [0, 1, 3] -> 'ranks 0-1,3'."""
+    ranks = list(ranks)
+    return f"{'rank' if len(ranks) == 1 else 'ranks'} {format_ranks(ranks)}"
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    """What ``%cluster start`` was asked for (kept for ``%cluster restart``)."""
+
+    n: int = 2
+    backend: str = "auto"
+    gpus: tuple[int, ...] | None = None
+    timeout: float = 120.0
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The resolved choice: which backend, and which logical GPUs (None: CPU ranks)."""
+
+    n: int
+    backend: str
+    gpus: tuple[int, ...] | None
+
+    @property
+    def device_kind(self) -> str:
+        return "cuda" if self.gpus else "cpu"
+
+
+def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
+    """Pick backend and GPUs for ``opts`` on a machine with ``gpu_count`` GPUs.
+
+    One GPU per rank when GPUs are used; refuses layouts that cannot work
+    before any process starts.
+    """
+    n = opts.n
+    if n < 1:
+        raise UsageError(f"-n {n}: a cluster needs at least 1 rank")
+    if opts.backend not in BACKENDS:
+        raise UsageError(f"--backend {opts.backend!r} is not known; choose one of {', '.join(BACKENDS)}")
+    if opts.gpus is not None:
+        gpus = tuple(opts.gpus)
+        missing = [g for g in gpus if g >= gpu_count]
+        if missing:
+            have = f"GPUs 0-{gpu_count - 1}" if gpu_count else "no GPU"
+            raise UsageError(f"--gpus {format_ranks(gpus)}: GPU {missing[0]} does not exist; this machine has {have}")
+        if n > len(gpus):
+            raise UsageError(
+                f"-n {n} needs one GPU per rank but --gpus gives {len(gpus)} "
+                f"({format_ranks(gpus)}); use -n {len(gpus)} or list more GPUs"
+            )
+        backend = "nccl" if opts.backend == "auto" else opts.backend
+        return Layout(n, backend, gpus[:n])
+    if opts.backend == "gloo":
+        return Layout(n, "gloo", None)
+    if opts.backend == "nccl" or (opts.backend == "auto" and gpu_count):
+        if gpu_count == 0:
+            raise UsageError("--backend nccl needs GPUs and none are visible; use --backend gloo for CPU ranks")
+        if gpu_count < n:
+            raise UsageError(
+                f"-n {n} with nccl needs one GPU per rank but {gpu_count} GPU(s) are visible; "
+                f"use -n {gpu_count}, or --backend gloo for CPU ranks"
+            )
+        return Layout(n, "nccl", tuple(range(n)))
+    return Layout(n, "gloo", None)

@@ -1,0 +1,172 @@
+"""Engine-side start-up: environment, device, threads and the process group.
+
+Runs inside each ipyparallel engine (through ``view.apply``), once per engine
+life. Nothing here imports IPython display or widget code.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+from datetime import timedelta
+
+
+def init_rank(
+    rank: int,
+    world_size: int,
+    master_addr: str,
+    master_port: int,
+    backend: str,
+    visible_devices: str | None,
+    num_threads: int,
+    timeout_s: float,
+    kernel_pid: int | None = None,
+    controller_pid: int | None = None,
+) -> dict:
+    """Make this engine rank ``rank`` of a ``world_size`` process group.
+
+    Sets the torchrun-style variables (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR, MASTER_PORT) before importing torch, so libraries that read
+    them (DeepSpeed, FSDP helpers) see a normal launch. ``visible_devices`` is
+    the CUDA_VISIBLE_DEVICES value shared by all ranks (None on CPU ranks);
+    rank i uses cuda:i of those, as with torchrun.
+    """
+    env = {
+        "RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+        "OMP_NUM_THREADS": str(num_threads),
+    }
+    if visible_devices:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices
+    else:
+        # DeepSpeed picks its accelerator at import; "cuda" on a CPU box fails late.
+        env["DS_ACCELERATOR"] = "cpu"
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    os.environ.update(env)
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(num_threads)
+    if visible_devices:
+        if torch.cuda.device_count() < world_size:
+            raise RuntimeError(
+                f"rank {rank}: needs {world_size} GPUs but torch sees "
+                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={visible_devices})"
+            )
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    else:
+        device = torch.device("cpu")
+
+    if not dist.is_initialized():
+        kwargs = dict(
+            backend=backend,
+            init_method=f"tcp://{master_addr}:{master_port}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        if backend == "nccl":
+            kwargs["device_id"] = device
+        dist.init_process_group(**kwargs)
+
+    _install_namespace(rank, world_size, device)
+    if kernel_pid:
+        _watch_kernel(kernel_pid, controller_pid)
+    return rank_info()
+
+
+def _install_namespace(rank: int, world_size: int, device) -> None:
+    """Names every ``%%distributed`` cell can use without importing them."""
+    import torch
+    import torch.distributed as dist
+
+    from IPython import get_ipython  # the engine's own shell, not display code
+
+    shell = get_ipython()
+    if shell is None:  # plain apply outside an engine (unit use)
+        return
+    shell.user_ns.update(
+        torch=torch, dist=dist, rank=rank, world_size=world_size, device=device
+    )
+
+
+def rank_info() -> dict:
+    """Facts about this rank for ``%cluster status``."""
+    import psutil
+    import torch
+    import torch.distributed as dist
+
+    proc = psutil.Process()
+    mem = proc.memory_info()
+    initialized = dist.is_available() and dist.is_initialized()
+    device = "cpu"
+    if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES"):
+        idx = torch.cuda.current_device()
+        device = f"cuda:{idx} ({torch.cuda.get_device_name(idx)})"
+    return {
+        "rank": dist.get_rank() if initialized else int(os.environ.get("RANK", -1)),
+        "world_size": dist.get_world_size() if initialized else None,
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "device": device,
+        "backend": dist.get_backend() if initialized else None,
+        "rss_bytes": mem.rss,
+        "peak_rss_bytes": _peak_rss(),
+        "threads": torch.get_num_threads(),
+    }
+
+
+def _peak_rss() -> int | None:
+    """The process's high-water RSS (Linux VmHWM); None where unavailable."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+_watcher: threading.Thread | None = None
+
+
+def _alive(psutil, pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _watch_kernel(kernel_pid: int, controller_pid: int | None) -> None:
+    """Exit when the kernel that owns the cluster is gone.
+
+    A kernel killed with SIGKILL runs no atexit handler, so without this its
+    controller and engines would live on. The first engine to notice also
+    stops the controller.
+    """
+    global _watcher
+    if _watcher is not None:
+        return
+
+    def run() -> None:
+        import psutil
+
+        while _alive(psutil, kernel_pid):
+            time.sleep(1.0)
+        if controller_pid:
+            try:
+                os.kill(controller_pid, 15)
+            except OSError:
+                pass
+        os._exit(0)
+
+    _watcher = threading.Thread(target=run, name="nbtool-kernel-watch", daemon=True)
+    _watcher.start()

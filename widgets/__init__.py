@@ -1,0 +1,8 @@
+"""Notebook UI for nbtool (installed as ``nbtool.widgets``).
+
+Kernel-side only: engines never import this package. Views here take plain
+records (dicts, dataclasses) and render them; they never reach into engines.
+"""
+from .cluster_view import ProgressLine, StatusTable
+
+__all__ = ["ProgressLine", "StatusTable"]
