@@ -21,6 +21,11 @@ from .rank import bootstrap
 
 Progress = Callable[[str], None]
 
+# ipyparallel logs engine output and exit codes to stdout at WARNING when a
+# cluster stops; keep that out of notebooks (a logging config of the user still sees it).
+_log = logging.getLogger("nbtool.ipyparallel")
+_log.addHandler(logging.NullHandler())
+
 
 class ClusterError(RuntimeError):
     """The cluster could not do what was asked (start, reach a rank ...)."""
@@ -76,7 +81,7 @@ class RankCluster:
             # engines wait for the controller's connection info themselves
             delay=0,
             engine_timeout=int(timeout),
-            log_level=logging.WARNING,
+            log=_log,
             shutdown_atexit=True,
         )
         env = {"OMP_NUM_THREADS": str(threads_per_rank(n)), "NBTOOL_KERNEL_PID": str(os.getpid())}

@@ -22,3 +22,26 @@ def alive(pids) -> list[int]:
         except psutil.Error:
             pass
     return out
+
+
+BROWSER_FLAGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+    "--disable-background-networking", "--disable-component-update", "--disable-sync",
+]
+
+
+def browser_dom(path, budget_ms: int = 8000) -> str:
+    """The DOM of a local page after its scripts ran, from headless Chromium."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert exe, "Chromium is needed for browser tests: apt-get install chromium (.ci/setup does this as root)"
+    with tempfile.TemporaryDirectory() as profile:
+        out = subprocess.run(
+            [exe, *BROWSER_FLAGS, f"--user-data-dir={profile}", f"--virtual-time-budget={budget_ms}",
+             "--dump-dom", f"file://{path}"],
+            capture_output=True, text=True, timeout=120,
+        )
+    return out.stdout
