@@ -16,12 +16,14 @@ from .options import (
     parse_int_list,
     parse_ranks,
     positive_int,
+    positive_number,
     positive_seconds,
     rank_number,
+    strategy_options_given,
+    strategy_spec,
 )
-
-#: strategy words accepted as the first argument of %%distributed
-STRATEGIES: tuple[str, ...] = ()
+from .rank.strategies.spec import NAMES as STRATEGIES
+from .rank.strategies.spec import OFFLOADS, PRECISIONS
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
@@ -33,6 +35,47 @@ def _cell_options(f):
                  help="stop the cell after SECONDS, naming the ranks that had not finished"),
         argument("--quiet", action="store_true",
                  help="show nothing but errors (no rank output, no nbtool messages)"),
+    ):
+        f = a(f)
+    return f
+
+
+def _strategy_options(f):
+    """Options of %%distributed STRATEGY (checked against the strategy in spec.validate)."""
+    for a in (
+        argument("--precision", choices=PRECISIONS, default=None,
+                 help="fp32 (default); bf16/fp16 mixed precision as each strategy implements it"),
+        argument("--grad-accum", type=positive_int, default=None, metavar="N",
+                 help="accumulate gradients over N backward() calls per optimizer step"),
+        argument("--activation-checkpointing", nargs="?", const="", default=None, metavar="CLASS",
+                 help="recompute activations of modules of CLASS in backward (default: the repeated block)"),
+        argument("--seed", type=int, default=None, help="seed torch/random/numpy on every rank (default 0)"),
+        argument("--grad-clip", type=positive_number, default=None, metavar="NORM",
+                 help="clip the global gradient norm at NORM before each step (default: no clipping)"),
+        argument("--bucket-mb", type=positive_number, default=None, help="ddp: gradient bucket size in MiB"),
+        argument("--grad-as-bucket-view", action="store_true", help="ddp: gradients are views into buckets"),
+        argument("--static-graph", action="store_true", help="ddp: the graph is the same every step"),
+        argument("--reshard-after-forward", dest="reshard_after_forward", action="store_true", default=True,
+                 help="fsdp: free gathered parameters after forward (ZeRO-3-like; default)"),
+        argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
+                 help="fsdp: keep them until backward (ZeRO-2-like)"),
+        argument("--wrap", default=None, metavar="CLASS[,CLASS]",
+                 help="fsdp: shard modules of these classes as their own units (root wrapped last)"),
+        argument("--offload", nargs="?", const="both", choices=OFFLOADS, default=None,
+                 help="fsdp: CPUOffloadPolicy; zero*: offload optimizer, params (zero3) or both to cpu"),
+        argument("--overlap-comm", dest="overlap_comm", action="store_true", default=None,
+                 help="zero*: overlap gradient reduction with backward"),
+        argument("--no-overlap-comm", dest="overlap_comm", action="store_false", default=None),
+        argument("--contiguous-gradients", dest="contiguous_gradients", action="store_true", default=None,
+                 help="zero*: copy gradients into one contiguous buffer"),
+        argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false", default=None),
+        argument("--reduce-bucket-mb", type=positive_number, default=None, help="zero*: reduce bucket size, MiB"),
+        argument("--allgather-bucket-mb", type=positive_number, default=None, help="zero*: all-gather bucket, MiB"),
+        argument("--micro-batch", type=positive_int, default=None,
+                 help="zero*: train_micro_batch_size_per_gpu in the config (default 8)"),
+        argument("--ds-config", default=None, metavar="FILE", help="zero*: start from this DeepSpeed JSON"),
+        argument("--export-config", default=None, metavar="FILE",
+                 help="zero*: write the exact DeepSpeed JSON used to FILE"),
     ):
         f = a(f)
     return f
@@ -113,6 +156,7 @@ class NbtoolMagics(Magics):
     @argument("strategy", nargs="?", default=None,
               help="parallelism strategy to apply (see the list in the error for an unknown word)")
     @argument("--ranks", default=None, help="run only on these ranks, e.g. 0 or 0,2-3 (default: all)")
+    @_strategy_options
     @_cell_options
     @no_var_expand
     @cell_magic
@@ -124,15 +168,35 @@ class NbtoolMagics(Magics):
         (torch.distributed) are predefined there. Output streams live, then
         shows grouped by rank; an exception on any rank fails the cell.
         Ctrl-C interrupts every rank.
+
+        With a strategy word (ddp, fsdp, zero1, zero2, zero3) the cell also
+        gets ``strategy``: ``model, optimizer = strategy.prepare(model,
+        optimizer)``, ``strategy.backward(loss)``,
+        ``strategy.dataloader(dataset, batch_size=...)``, ``strategy.log(...)``,
+        ``strategy.memory_ledger()``, ``strategy.full_state_dict()``,
+        ``strategy.describe()``. Only the word changes between strategies.
         """
         args = parse_argstring(self.distributed, line)
         if args.strategy is not None and args.strategy not in STRATEGIES:
-            allowed = ", ".join(STRATEGIES) if STRATEGIES else "none yet"
             raise UsageError(
-                f"unknown strategy {args.strategy!r}; allowed: {allowed} "
+                f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)} "
                 "(or no word to run the cell as written)"
             )
-        return self._run(cell, args.ranks, args)
+        if args.strategy is None:
+            given = strategy_options_given(args)
+            if given:
+                raise UsageError(
+                    f"{given[0]} needs a strategy word first, e.g. %%distributed ddp {given[0]} ..."
+                )
+            return self._run(cell, args.ranks, args)
+        cluster = self._require_cluster()
+        if args.ranks is not None:
+            raise UsageError(f"--ranks does not apply with a strategy: {args.strategy} runs on every rank")
+        spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind)
+        from . import session
+
+        session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
+                             quiet=args.quiet, export_config=args.export_config)
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")

@@ -31,6 +31,7 @@ def _argtype(name: str, convert, check, allowed: str):
 
 
 positive_int = _argtype("value", int, lambda v: v >= 1, "an integer >= 1")
+positive_number = _argtype("value", float, lambda v: v > 0, "a number > 0")
 positive_seconds = _argtype("seconds", float, lambda v: v > 0, "a number of seconds > 0")
 rank_number = _argtype("rank", int, lambda v: v >= 0, "a rank number >= 0")
 
@@ -148,3 +149,64 @@ def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
             )
         return Layout(n, "nccl", tuple(range(n)))
     return Layout(n, "gloo", None)
+
+
+def strategy_spec(args, backend: str | None, device_kind: str):
+    """A checked StrategySpec from parsed %%distributed arguments (UsageError if not valid)."""
+    import json
+
+    from .rank.strategies.spec import SpecError, StrategySpec, validate
+
+    ds_config = None
+    if args.ds_config:
+        try:
+            with open(args.ds_config) as f:
+                ds_config = json.load(f)
+        except OSError as e:
+            raise UsageError(f"--ds-config {args.ds_config!r}: {e.strerror}") from None
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--ds-config {args.ds_config!r} is not valid JSON: {e}") from None
+        if not isinstance(ds_config, dict):
+            raise UsageError(f"--ds-config {args.ds_config!r}: expected a JSON object")
+    spec = StrategySpec(
+        name=args.strategy,
+        precision=args.precision or "fp32",
+        grad_accum=args.grad_accum or 1,
+        activation_checkpointing=args.activation_checkpointing,
+        seed=args.seed if args.seed is not None else 0,
+        grad_clip=args.grad_clip,
+        bucket_mb=args.bucket_mb,
+        grad_as_bucket_view=args.grad_as_bucket_view,
+        static_graph=args.static_graph,
+        reshard_after_forward=args.reshard_after_forward,
+        wrap=tuple(w.strip() for w in args.wrap.split(",") if w.strip()) if args.wrap else (),
+        offload=args.offload,
+        overlap_comm=args.overlap_comm,
+        contiguous_gradients=args.contiguous_gradients,
+        reduce_bucket_mb=args.reduce_bucket_mb,
+        allgather_bucket_mb=args.allgather_bucket_mb,
+        micro_batch=args.micro_batch or 8,
+        ds_config=ds_config,
+    )
+    try:
+        validate(spec, backend, device_kind)
+    except SpecError as e:
+        raise UsageError(str(e)) from None
+    if args.export_config and not spec.is_zero:
+        raise UsageError(f"--export-config writes a DeepSpeed config; it applies to zero1, zero2, zero3, not {spec.name}")
+    return spec
+
+
+STRATEGY_ONLY_OPTIONS = (
+    "precision", "grad_accum", "activation_checkpointing", "seed", "grad_clip", "bucket_mb", "wrap", "offload",
+    "overlap_comm", "contiguous_gradients", "reduce_bucket_mb", "allgather_bucket_mb", "micro_batch",
+    "ds_config", "export_config",
+)
+FLAG_OPTIONS = {"grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True}
+
+
+def strategy_options_given(args) -> list[str]:
+    """The strategy options on a line that has no strategy word (to refuse them)."""
+    given = [o for o in STRATEGY_ONLY_OPTIONS if getattr(args, o) is not None]
+    given += [o for o, default in FLAG_OPTIONS.items() if getattr(args, o) != default]
+    return ["--" + o.replace("_", "-") for o in given]

@@ -41,6 +41,31 @@ def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
     run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet)
 
 
+def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, timeout: float | None,
+                 quiet: bool, export_config: str | None) -> None:
+    """Install ``strategy`` on every rank, run the cell, then print the strategy's one-line summary."""
+    from .rank import strategies
+    from .rank.strategies.spec import deepspeed_config, dumps_config
+
+    ranks = list(range(cluster.world_size))
+    _check_alive(cluster, ranks)
+    if export_config:
+        text = dumps_config(deepspeed_config(spec, cluster.world_size))
+        try:
+            with open(export_config, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise UsageError(f"--export-config {export_config!r}: {e.strerror}") from None
+    cluster.view(ranks).apply_sync(strategies.install, spec)
+    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet)
+    if not quiet:
+        summary = cluster.view([0]).apply_sync(strategies.last_summary)[0]
+        if summary:
+            print(summary)
+        if export_config:
+            print(f"DeepSpeed config written to {export_config}")
+
+
 def push(cluster: RankCluster, values: dict, ranks: list[int]) -> None:
     _check_alive(cluster, ranks)
     cluster.view(ranks).push(values, block=True)

@@ -1,0 +1,48 @@
+"""Strategies a ``%%distributed STRATEGY`` cell runs under (engine side).
+
+``install(spec)`` builds the strategy for this rank and puts it in the rank's
+namespace as ``strategy``; the cell then calls ``strategy.prepare(...)``.
+"""
+from __future__ import annotations
+
+from .spec import NAMES, StrategySpec
+
+_last = None  # the strategy of the most recent strategy cell on this rank
+
+
+def build(spec: StrategySpec):
+    import torch
+    import torch.distributed as dist
+
+    from .ddp import DDPStrategy
+    from .fsdp import FSDPStrategy
+    from .zero import ZeroStrategy
+
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
+    cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(spec.name, ZeroStrategy)
+    return cls(spec, device)
+
+
+def install(spec: StrategySpec) -> None:
+    """Make ``strategy`` in this rank's namespace a fresh strategy for ``spec``."""
+    import warnings
+
+    from IPython import get_ipython  # the engine's shell (not display code)
+
+    global _last
+    # torch 2.13 deprecates the collective names DeepSpeed and FSDP still call;
+    # one warning per call would bury the cell's own output
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    # FSDP2 warns whenever a unit returns a view (e.g. a Linear's output); only
+    # an in-place op on that output would matter
+    warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    _last = build(spec)
+    get_ipython().user_ns["strategy"] = _last
+
+
+def last_summary() -> str | None:
+    return _last.summary() if _last is not None else None
+
+
+__all__ = ["NAMES", "StrategySpec", "build", "install", "last_summary"]

@@ -1,0 +1,396 @@
+"""What every strategy shares: the cell contract, gradient accumulation, the ledger.
+
+A cell written against this contract runs unchanged under any strategy:
+
+    model, optimizer = strategy.prepare(model, optimizer)
+    for batch in strategy.dataloader(dataset, batch_size=8):
+        loss = model(batch).mean()
+        strategy.backward(loss)
+        optimizer.step(); optimizer.zero_grad()
+        strategy.log(loss=loss)
+
+``optimizer`` is a thin proxy: with ``--grad-accum N`` its step() and
+zero_grad() act only on every Nth backward, so the loop needs no changes.
+"""
+from __future__ import annotations
+
+import random
+import time
+from collections import Counter
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from ...records import MemoryLedger
+from .spec import StrategySpec
+
+
+class StrategyError(RuntimeError):
+    """A strategy cannot be applied as asked; the message says how to fix it."""
+
+
+class Tally:
+    """Sums tensor bytes per category, counting each storage once."""
+
+    def __init__(self):
+        self.bytes: Counter = Counter()
+        self.offloaded: Counter = Counter()
+        self._seen: set = set()
+
+    def add(self, category: str, tensor, offloaded: bool = False) -> None:
+        if tensor is None:
+            return
+        if hasattr(tensor, "to_local"):  # DTensor: the local shard is what this rank holds
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.device)
+        if storage.nbytes() == 0 or key in self._seen:
+            return
+        self._seen.add(key)
+        self.bytes[category] += storage.nbytes()
+        if offloaded:
+            self.offloaded[category] += storage.nbytes()
+
+    def add_optimizer_state(self, state, offloaded: bool = False) -> None:
+        for per_param in state.values():
+            for value in per_param.values():
+                if torch.is_tensor(value):
+                    self.add("optimizer_state" if value.dim() > 0 else "other", value, offloaded)
+
+
+class _EpochLoader:
+    """A DataLoader over a DistributedSampler that advances the epoch itself."""
+
+    def __init__(self, loader: DataLoader, sampler: DistributedSampler, device):
+        self.loader, self.sampler, self.device = loader, sampler, device
+        self.epoch = 0
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        self.sampler.set_epoch(self.epoch)
+        self.epoch += 1
+        for batch in self.loader:
+            yield _to_device(batch, self.device)
+
+
+def _to_device(batch, device):
+    if torch.is_tensor(batch):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _to_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+class StepOptimizer:
+    """The optimizer handed back by prepare(): steps at accumulation boundaries."""
+
+    def __init__(self, strategy: "Strategy", inner):
+        self._strategy = strategy
+        self.inner = inner
+
+    def step(self, closure=None):
+        return self._strategy._optimizer_step(closure)
+
+    def zero_grad(self, set_to_none: bool = True):
+        if self._strategy.at_boundary:
+            self._strategy._zero_grad(set_to_none)
+
+    def __getattr__(self, name):  # param_groups, state, state_dict ...
+        return getattr(self.inner, name)
+
+    def __repr__(self):
+        return f"StepOptimizer({type(self.inner).__name__}, grad_accum={self._strategy.spec.grad_accum})"
+
+
+class Strategy:
+    """Base class; subclasses implement _wrap, and optionally _backward/_step/_ledger."""
+
+    name = "base"
+
+    def __init__(self, spec: StrategySpec, device: torch.device, group=None):
+        self.spec = spec
+        self.device = device
+        self.group = group  # None: the default (world) process group
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size(group)
+        self.model = None
+        self.optimizer: StepOptimizer | None = None
+        self.logs: list[dict] = []
+        self.notes: list[str] = []  # facts for describe()
+        self._micro = 0  # backward() calls
+        self._steps = 0  # optimizer steps taken
+        self._ledger_at_step: MemoryLedger | None = None
+        self._checkpointed: list[str] = []
+        _seed_everything(spec.seed)
+
+    # -- the cell contract ---------------------------------------------------
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def at_boundary(self) -> bool:
+        """True when the last backward() completed an accumulation window."""
+        return self._micro % self.spec.grad_accum == 0
+
+    def prepare(self, model: nn.Module, optimizer):
+        """Wrap ``model`` and ``optimizer`` for this strategy; returns (model, optimizer)."""
+        if self.model is not None:
+            raise StrategyError(
+                "prepare() was already called in this cell; each %%distributed cell gets a fresh "
+                "strategy, so build the model and call prepare once per cell"
+            )
+        if not isinstance(model, nn.Module):
+            raise StrategyError(f"prepare() needs a torch.nn.Module, got {type(model).__name__}")
+        if getattr(optimizer, "state", None) and any(optimizer.state.values()):
+            raise StrategyError(
+                "the optimizer already has state (it has stepped); create it fresh before prepare()"
+            )
+        self._check_model(model)
+        if self.spec.activation_checkpointing is not None:
+            self._apply_activation_checkpointing(model)
+        wrapped, inner = self._wrap(model, optimizer)
+        self.model = wrapped
+        self.optimizer = StepOptimizer(self, inner)
+        return wrapped, self.optimizer
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Backward for one micro-batch (scaled by 1/grad_accum where the wrapper does not)."""
+        if self.model is None:
+            raise StrategyError("call strategy.prepare(model, optimizer) before strategy.backward(loss)")
+        self._micro += 1
+        self._backward(loss)
+        # the next forward must know whether its backward ends the window
+        self._set_gradient_sync((self._micro + 1) % self.spec.grad_accum == 0)
+
+    def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
+                   drop_last: bool = False, **kwargs) -> _EpochLoader:
+        """Batches of this rank's shard of ``dataset`` (DistributedSampler), on this rank's device.
+
+        Every rank sees a disjoint shard; iterating again starts the next epoch
+        (a new shuffle, the same on every rank).
+        """
+        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.dp_rank,
+                                     shuffle=shuffle, seed=self.spec.seed, drop_last=drop_last)
+        loader = DataLoader(dataset, batch_size=batch_size or self.spec.micro_batch,
+                            sampler=sampler, **kwargs)
+        return _EpochLoader(loader, sampler, self.device)
+
+    @property
+    def dp_rank(self) -> int:
+        return dist.get_rank(self.group) if self.group is not None else self.rank
+
+    def log(self, **scalars) -> None:
+        """Record scalars (loss, lr ...) for this rank, tagged with the step."""
+        rec = {"step": self._steps, "micro": self._micro, "time": time.time()}
+        for k, v in scalars.items():
+            rec[k] = v.detach().float().item() if torch.is_tensor(v) else v
+        self.logs.append(rec)
+
+    def memory_ledger(self) -> MemoryLedger:
+        """Model-state bytes this rank holds (see nbtool.records.MemoryLedger).
+
+        After an optimizer step: gradients as that step began, parameters and
+        optimizer state just after it (model states at their fullest). Before
+        any step: what is held now.
+        """
+        if self._ledger_at_step is not None:
+            return self._ledger_at_step
+        return self._make_ledger("now")
+
+    def full_state_dict(self) -> dict | None:
+        """The complete, unsharded model state dict on rank 0 (None on other ranks).
+
+        A collective: call it on every rank. Tensors are fp32 on CPU, with the
+        plain model's keys, so ``plain_model.load_state_dict(sd)`` works.
+        """
+        if self.model is None:
+            raise StrategyError("call strategy.prepare(...) before strategy.full_state_dict()")
+        sd = self._full_state_dict()
+        if not self.is_main:
+            return None
+        return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
+                for k, v in sd.items()}
+
+    def describe(self) -> "Description":
+        """Exactly what was applied: wrappers, sharding, precision, offload, buckets, config."""
+        return Description(self.name, self._describe())
+
+    def summary(self) -> str:
+        """One line for the magic to print after the cell."""
+        if self.model is None:
+            return f"{self.name}: strategy.prepare(model, optimizer) was not called in this cell"
+        return f"{self.name}: " + "; ".join(self._summary_parts())
+
+    # -- for subclasses --------------------------------------------------------
+    def _wrap(self, model, optimizer):
+        raise NotImplementedError
+
+    def _backward(self, loss):
+        (loss / self.spec.grad_accum).backward()
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        pass
+
+    def _optimizer_step(self, closure=None):
+        if not self.at_boundary:
+            return None
+        before = self._make_ledger("pre")
+        out = self._step(closure)
+        self._steps += 1
+        after = self._make_ledger(f"step {self._steps}")
+        after.grads = before.grads
+        after.offloaded["grads"] = before.offloaded.get("grads", 0)
+        self._ledger_at_step = after
+        return out
+
+    def _step(self, closure=None):
+        self._clip()
+        return self.optimizer.inner.step(closure)
+
+    def _clip(self) -> None:
+        if self.spec.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grad_clip)
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        self.optimizer.inner.zero_grad(set_to_none=set_to_none)
+
+    def _tally(self, tally: Tally) -> None:
+        raise NotImplementedError
+
+    def _make_ledger(self, when: str) -> MemoryLedger:
+        tally = Tally()
+        self._tally(tally)
+        return MemoryLedger(rank=self.rank, strategy=self.name, when=when,
+                            offloaded={k: v for k, v in tally.offloaded.items() if v},
+                            **{k: int(v) for k, v in tally.bytes.items()})
+
+    def _full_state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def _describe(self) -> dict:
+        d = {
+            "strategy": self.name,
+            "world_size": self.world_size,
+            "device": str(self.device),
+            "precision": self.spec.precision,
+            "grad_accum": self.spec.grad_accum,
+            "seed": self.spec.seed,
+            "grad_clip": self.spec.grad_clip or "none",
+        }
+        if self._checkpointed:
+            d["activation_checkpointing"] = f"{len(self._checkpointed)} x {self._ac_class}"
+        if self.optimizer is not None:
+            d["optimizer"] = _optimizer_impl(self.optimizer.inner)
+        if self.notes:
+            d["notes"] = list(self.notes)
+        return d
+
+    def _summary_parts(self) -> list[str]:
+        d = self._describe()
+        parts = [d.get("wrapper", "?"), d.get("sharding", ""), f"precision {d['precision']}"]
+        if d.get("offload"):
+            parts.append(f"offload {d['offload']}")
+        if self.spec.grad_accum > 1:
+            parts.append(f"grad-accum {self.spec.grad_accum}")
+        if self._checkpointed:
+            parts.append(f"activation checkpointing on {d['activation_checkpointing']}")
+        parts.append(f"optimizer {d.get('optimizer', '?')}")
+        return [p for p in parts if p]
+
+    # -- model checks and activation checkpointing -------------------------------
+    def _check_model(self, model: nn.Module) -> None:
+        classes = {type(m).__name__ for m in model.modules()}
+        names = list(self.spec.wrap)
+        if self.spec.activation_checkpointing:
+            names.append(self.spec.activation_checkpointing)
+        for name in names:
+            if name not in classes:
+                opt = "--wrap" if name in self.spec.wrap else "--activation-checkpointing"
+                raise StrategyError(
+                    f"{opt} {name}: the model has no module of class {name}; "
+                    f"its classes are {', '.join(sorted(classes))}"
+                )
+
+    def _apply_activation_checkpointing(self, model: nn.Module) -> None:
+        name = self.spec.activation_checkpointing or repeated_block_class(model)
+        if name is None:
+            raise StrategyError(
+                "--activation-checkpointing without a class name needs a model with a "
+                "ModuleList of repeated blocks; name the class to checkpoint"
+            )
+        self._ac_class = name
+        for qualname, module in model.named_modules():
+            if type(module).__name__ == name and module is not model:
+                _checkpoint_forward(module)
+                self._checkpointed.append(qualname)
+
+
+def _checkpoint_forward(module: nn.Module) -> None:
+    """Recompute ``module``'s activations in backward instead of saving them.
+
+    Replaces the instance's forward (keys of the state dict stay the same);
+    the non-reentrant checkpoint works with FSDP2 and DeepSpeed hooks.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+def repeated_block_class(model: nn.Module) -> str | None:
+    """The class name of the repeated blocks (most common class in any ModuleList)."""
+    counts: Counter = Counter()
+    for m in model.modules():
+        if isinstance(m, nn.ModuleList):
+            counts.update(type(c).__name__ for c in m)
+    return counts.most_common(1)[0][0] if counts else None
+
+
+def _optimizer_impl(opt) -> str:
+    return f"{type(opt).__module__}.{type(opt).__qualname__}"
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:
+        pass
+
+
+class Description(dict):
+    """describe()'s answer: a dict that prints as aligned lines."""
+
+    def __init__(self, name: str, fields: dict):
+        super().__init__(fields)
+        self.name = name
+
+    def __str__(self) -> str:
+        import json
+
+        width = max(len(k) for k in self)
+        lines = []
+        for k, v in self.items():
+            if isinstance(v, dict):
+                v = json.dumps(v, indent=2, sort_keys=True).replace("\n", "\n" + " " * (width + 2))
+            elif isinstance(v, (list, tuple)):
+                v = "\n".join(map(str, v)).replace("\n", "\n" + " " * (width + 2)) if v else "-"
+            lines.append(f"{k.ljust(width)}  {v}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)

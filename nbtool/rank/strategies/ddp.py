@@ -1,0 +1,89 @@
+"""DDP: a full replica per rank; gradients all-reduced in buckets during backward."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from .base import Strategy, Tally
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Autocast(nn.Module):
+    """Runs the wrapped module's forward under torch.autocast (mixed precision, fp32 weights)."""
+
+    def __init__(self, module: nn.Module, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        self.module, self.device_type, self.dtype = module, device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.module(*args, **kwargs)
+
+
+class DDPStrategy(Strategy):
+    name = "ddp"
+
+    def _wrap(self, model, optimizer):
+        self._plain = model.to(self.device)
+        inner = self._plain
+        if self.spec.precision in DTYPES:
+            inner = Autocast(inner, self.device.type, DTYPES[self.spec.precision])
+        kwargs = {}
+        if self.spec.bucket_mb is not None:
+            kwargs["bucket_cap_mb"] = self.spec.bucket_mb
+        self._ddp = DistributedDataParallel(
+            inner,
+            device_ids=[self.device.index] if self.device.type == "cuda" else None,
+            process_group=self.group,
+            gradient_as_bucket_view=self.spec.grad_as_bucket_view,
+            static_graph=self.spec.static_graph,
+            **kwargs,
+        )
+        self._scaler = None
+        if self.spec.precision == "fp16":
+            self._scaler = torch.amp.GradScaler(self.device.type)
+        self._set_gradient_sync(self.spec.grad_accum == 1)
+        return self._ddp, optimizer
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        # what DDP.no_sync() toggles; read at forward time, so set it ahead
+        self._ddp.require_backward_grad_sync = sync
+
+    def _backward(self, loss):
+        loss = loss / self.spec.grad_accum
+        (self._scaler.scale(loss) if self._scaler else loss).backward()
+
+    def _step(self, closure=None):
+        if self._scaler is None:
+            return super()._step(closure)
+        self._scaler.unscale_(self.optimizer.inner)  # clip the true gradients
+        self._clip()
+        out = self._scaler.step(self.optimizer.inner)
+        self._scaler.update()
+        return out
+
+    def _tally(self, tally: Tally) -> None:
+        for p in self._plain.parameters():
+            tally.add("params", p)
+        for p in self._plain.parameters():
+            tally.add("grads", p.grad)
+        tally.add_optimizer_state(self.optimizer.inner.state)
+
+    def _full_state_dict(self):
+        return self._plain.state_dict()
+
+    def _describe(self):
+        d = super()._describe()
+        d["wrapper"] = "torch.nn.parallel.DistributedDataParallel" + (
+            f" over Autocast({self.spec.precision})" if self.spec.precision in DTYPES else "")
+        d["sharding"] = "none (full replica per rank)"
+        d["bucket_cap_mb"] = self.spec.bucket_mb if self.spec.bucket_mb is not None else "25 (DDP default)"
+        d["gradient_as_bucket_view"] = self.spec.grad_as_bucket_view
+        d["static_graph"] = self.spec.static_graph
+        if self.spec.precision == "bf16":
+            d["mixed_precision"] = "torch.autocast bf16 forward; fp32 weights, grads, all-reduce"
+        elif self.spec.precision == "fp16":
+            d["mixed_precision"] = "torch.autocast fp16 forward with torch.amp.GradScaler"
+        return d

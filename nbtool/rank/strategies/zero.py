@@ -1,0 +1,139 @@
+"""DeepSpeed ZeRO stages 1-3 on the cluster's existing process group.
+
+Stage 1 partitions optimizer state, stage 2 also gradients, stage 3 also
+parameters (ZeRO paper: Rajbhandari et al. 2020). The user's torch optimizer
+becomes DeepSpeed's client optimizer, so no C++ op is JIT-compiled; the
+shared-memory comm op is skipped for the same reason.
+"""
+from __future__ import annotations
+
+import torch
+
+from .base import Strategy, Tally
+from .spec import deepspeed_config
+
+_ds_ready = False
+
+
+class _OnDemandOps(dict):
+    def __missing__(self, name):
+        from deepspeed.ops.op_builder.all_ops import ALL_OPS
+        from deepspeed.ops.op_builder.builder import probe_is_compatible
+
+        self[name] = ok = name in ALL_OPS and probe_is_compatible(ALL_OPS[name])
+        return ok
+
+
+def ensure_deepspeed_comm(backend: str) -> None:
+    """Point deepspeed.comm at the existing process group, once per engine life."""
+    global _ds_ready
+    if _ds_ready:
+        return
+    import deepspeed
+    import deepspeed.ops as ops
+
+    # Reading deepspeed.ops.__compatible_ops__ probes every C++ op with test
+    # compiles (seconds, and linker errors on stderr). Probe only what is asked
+    # for, and never the shm comm op: its first use costs a ~30 s g++ build and
+    # gloo does not need it.
+    if "__compatible_ops__" not in vars(ops):
+        vars(ops)["__compatible_ops__"] = _OnDemandOps(deepspeed_shm_comm=False)
+    deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)
+    _ds_ready = True
+
+
+class ZeroStrategy(Strategy):
+    def __init__(self, spec, device, group=None):
+        super().__init__(spec, device, group)
+        self.name = spec.name
+        self.config = deepspeed_config(spec, self.world_size)
+
+    def _wrap(self, model, optimizer):
+        import deepspeed
+        import torch.distributed as dist
+
+        ensure_deepspeed_comm(dist.get_backend())
+        engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
+        self._engine, self._ds_opt, self._client_opt = engine, ds_opt, optimizer
+        return engine, ds_opt
+
+    @property
+    def at_boundary(self) -> bool:
+        return self._micro % self._engine.gradient_accumulation_steps() == 0 if self.model is not None else True
+
+    def _backward(self, loss):
+        self._engine.backward(loss)  # DeepSpeed divides by gradient_accumulation_steps itself
+
+    def _optimizer_step(self, closure=None):
+        # DeepSpeed counts micro-steps in engine.step(): call it every time
+        if not self.at_boundary:
+            self._engine.step()
+            return None
+        return super()._optimizer_step(closure)
+
+    def _step(self, closure=None):
+        self._engine.step()
+
+    def _zero_grad(self, set_to_none: bool) -> None:
+        pass  # engine.step() zeroes gradients at the accumulation boundary
+
+    # -- the ledger: DeepSpeed's own buffers -------------------------------------
+    def _tally(self, tally: Tally) -> None:
+        opt, stage = self._ds_opt, self.spec.stage
+        zero = self.config["zero_optimization"]
+        off_opt = "offload_optimizer" in zero
+        off_param = "offload_param" in zero
+        module_params = list(self._engine.module.parameters())
+        if stage == 3:
+            for p in module_params:
+                tally.add("params", p.ds_tensor, off_param)
+            for p in module_params:
+                tally.add("params", p.data)  # persistent small params stay whole on every rank
+            tally.add("grads", getattr(opt, "grad_partitions_flat_buffer", None))
+            masters = getattr(opt, "fp32_partitioned_groups_flat", [])
+        else:
+            for flat in getattr(opt, "bit16_groups_flat", []):
+                tally.add("params", flat)
+            for grads in (getattr(opt, "averaged_gradients", None) or {}).values():
+                for g in grads or []:
+                    tally.add("grads", g)
+            masters = getattr(opt, "single_partition_of_fp32_groups", [])
+        for p in module_params:
+            tally.add("params", p.data)
+            tally.add("grads", p.grad)
+        for m in masters:
+            tally.add("grads", m.grad, off_opt)
+        for m in masters:
+            tally.add("master_params", m, off_opt)
+        tally.add_optimizer_state(opt.optimizer.state, off_opt)
+
+    def _full_state_dict(self):
+        if self.spec.stage < 3:
+            return self._engine.module.state_dict()
+        import deepspeed
+
+        params = list(self._engine.module.parameters())
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            return {k: v.detach().clone().cpu() for k, v in self._engine.module.state_dict().items()}
+
+    def _describe(self):
+        d = super()._describe()
+        zero = self.config["zero_optimization"]
+        d["wrapper"] = f"deepspeed.DeepSpeedEngine + {type(self._ds_opt).__name__}" if self.model is not None else "deepspeed"
+        parts = {1: "optimizer state", 2: "optimizer state + gradients", 3: "optimizer state + gradients + parameters"}
+        d["sharding"] = f"ZeRO stage {self.spec.stage}: {parts[self.spec.stage]} partitioned over {self.world_size} ranks"
+        off = [k.replace("offload_", "") for k in ("offload_optimizer", "offload_param") if k in zero]
+        d["offload"] = " + ".join(off) + " to cpu" if off else None
+        if self.model is not None:
+            d["optimizer"] = (f"{type(self._client_opt).__module__}.{type(self._client_opt).__qualname__} "
+                              f"(client optimizer inside {type(self._ds_opt).__name__}; no DeepSpeed C++ op)")
+        d["precision"] = ("bf16 weights, fp32 master partitions" if self.config.get("bf16", {}).get("enabled")
+                          else "fp16 weights, fp32 masters, dynamic loss scale" if self.config.get("fp16", {}).get("enabled")
+                          else "fp32")
+        if self.config.get("bf16", {}).get("enabled"):
+            d.setdefault("notes", []).append(
+                "DeepSpeed bf16 keeps bf16 weights (no autocast): feed token ids or bf16 tensors")
+        d["buckets"] = {k: zero.get(k, "DeepSpeed default") for k in
+                        ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients")}
+        d["deepspeed_config"] = self.config
+        return d
