@@ -32,32 +32,54 @@ class StrategyError(RuntimeError):
 
 
 class Tally:
-    """Sums tensor bytes per category, counting each storage once."""
+    """Sums tensor bytes per category, counting each element of a storage once.
+
+    Tensors that view the same storage (parameters viewing a flat buffer,
+    gradients viewing a bucket) are counted by the byte ranges they cover, so
+    nothing is counted twice; slack in a buffer that no listed tensor views
+    is not counted (allocator and RSS figures include it).
+    """
 
     def __init__(self):
         self.bytes: Counter = Counter()
         self.offloaded: Counter = Counter()
-        self._seen: set = set()
+        self._covered: dict = {}  # storage key -> sorted, merged [start, end) byte ranges
 
     def add(self, category: str, tensor, offloaded: bool = False) -> None:
         if tensor is None:
             return
         if hasattr(tensor, "to_local"):  # DTensor: the local shard is what this rank holds
             tensor = tensor.to_local()
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.device)
-        if storage.nbytes() == 0 or key in self._seen:
+        if tensor.numel() == 0:
             return
-        self._seen.add(key)
-        self.bytes[category] += storage.nbytes()
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        new = _claim(self._covered.setdefault((storage.data_ptr(), str(storage.device)), []),
+                     start, start + tensor.numel() * tensor.element_size())
+        self.bytes[category] += new
         if offloaded:
-            self.offloaded[category] += storage.nbytes()
+            self.offloaded[category] += new
 
     def add_optimizer_state(self, state, offloaded: bool = False) -> None:
         for per_param in state.values():
             for value in per_param.values():
                 if torch.is_tensor(value):
                     self.add("optimizer_state" if value.dim() > 0 else "other", value, offloaded)
+
+
+def _claim(ranges: list, start: int, end: int) -> int:
+    """Add [start, end) to the merged ``ranges``; return how many bytes were new."""
+    covered = sum(max(0, min(end, e) - max(start, s)) for s, e in ranges)
+    merged = [start, end]
+    keep = []
+    for s, e in ranges:
+        if e < merged[0] or s > merged[1]:
+            keep.append((s, e))
+        else:
+            merged = [min(s, merged[0]), max(e, merged[1])]
+    keep.append(tuple(merged))
+    ranges[:] = sorted(keep)
+    return (end - start) - covered
 
 
 class _EpochLoader:
@@ -246,7 +268,9 @@ class Strategy:
         self._steps += 1
         after = self._make_ledger(f"step {self._steps}")
         after.grads = before.grads
-        after.offloaded["grads"] = before.offloaded.get("grads", 0)
+        after.offloaded.pop("grads", None)
+        if before.offloaded.get("grads"):
+            after.offloaded["grads"] = before.offloaded["grads"]
         self._ledger_at_step = after
         return out
 

@@ -1,0 +1,294 @@
+"""Strategies on 2 real gloo ranks: same maths, the ZeRO ledger, options, refusals."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from helpers import run
+from nbtool.example_models import TinyTransformer
+from nbtool.execution import RankError
+from nbtool.plan import expected_ledger, paper_bytes
+
+NUMELS = [p.numel() for p in TinyTransformer().parameters()]
+PSI = sum(NUMELS)
+CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
+
+SETUP = """%%distributed --quiet
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+_data = SyntheticTokens(128)
+
+def _train(strategy, steps=5, batch=4, lr=1e-2, sgd=False):
+    model = TinyTransformer()
+    optimizer = (torch.optim.SGD if sgd else torch.optim.AdamW)(model.parameters(), lr=lr)
+    model, optimizer = strategy.prepare(model, optimizer)
+    losses = []
+    for x, y in strategy.dataloader(_data, batch_size=batch, shuffle=False):
+        loss = lm_loss(model(x), y)
+        strategy.backward(loss)
+        optimizer.step(); optimizer.zero_grad()
+        strategy.log(loss=loss)
+        losses.append(loss.item())
+        if len(losses) == steps:
+            break
+    return losses
+
+def _run(strategy, **kw):
+    losses = _train(strategy, **kw)
+    return dict(losses=losses, ledger=strategy.memory_ledger().as_dict(),
+                sd=strategy.full_state_dict(), desc=dict(strategy.describe()),
+                logs=list(strategy.logs), summary=strategy.summary())
+"""
+
+
+@pytest.fixture(scope="module")
+def ranks(ip, cluster, capsys_module=None):
+    res = ip.run_cell(SETUP)
+    res.raise_error()
+    return ip
+
+
+def train(ip, line: str, **kw) -> list[dict]:
+    """Run _train under ``%%distributed {line}``; return each rank's result dict."""
+    args = ", ".join(f"{k}={v!r}" for k, v in kw.items())
+    res = ip.run_cell(f"%%distributed {line} --quiet\n_out = _run(strategy{', ' + args if args else ''})")
+    res.raise_error()
+    ip.run_line_magic("dist_pull", "_out")
+    return ip.user_ns["_out"]
+
+
+def assert_same_losses(a, b, rel=1e-5):
+    assert len(a) == len(b) >= 5
+    for x, y in zip(a, b):
+        assert abs(x - y) <= rel * abs(y), (a, b)
+
+
+def assert_same_weights(a: dict, b: dict, rtol=1e-5, atol=1e-6):
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=rtol, atol=atol, msg=k)
+
+
+def ledger_of(out) -> dict:
+    return {c: out["ledger"][c] for c in CATEGORIES}
+
+
+FP32_SEQUENCE = ["ddp", "zero3", "fsdp", "zero1", "zero2", "fsdp --wrap Block", "fsdp --no-reshard-after-forward"]
+
+
+def test_fp32_strategies_agree_and_match_the_ledger_theory(ranks):
+    """Switching strategies in a warm cluster, in mixed order; every one gives DDP's numbers."""
+    ref = train(ranks, "ddp")
+    ref_losses, ref_sd = ref[0]["losses"], ref[0]["sd"]
+    assert ref[1]["sd"] is None  # full_state_dict lives on rank 0
+    plain = TinyTransformer()
+    plain.load_state_dict(ref_sd)  # loads into a plain model
+    for line in FP32_SEQUENCE + ["ddp"]:
+        out = train(ranks, line)
+        name = line.split()[0]
+        assert_same_losses(out[0]["losses"], ref_losses)
+        assert_same_weights(out[0]["sd"], ref_sd)
+        TinyTransformer().load_state_dict(out[0]["sd"])
+        for r in (0, 1):
+            assert ledger_of(out[r]) == expected_ledger(name, "fp32", NUMELS, 2), (line, r)
+            assert out[r]["ledger"]["when"] == "step 5"
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero1", "zero2", "zero3"])
+def test_bf16_close_to_fp32_and_ledger(ranks, name):
+    """bf16 losses stay within 2% of fp32 per step (bf16 has an 8-bit mantissa: ~0.4% per op)."""
+    fp32 = train(ranks, name)[0]["losses"]
+    out = train(ranks, f"{name} --precision bf16")
+    for x, y in zip(out[0]["losses"], fp32):
+        assert abs(x - y) <= 0.02 * abs(y), (out[0]["losses"], fp32)
+    for r in (0, 1):
+        assert ledger_of(out[r]) == expected_ledger(name, "bf16", NUMELS, 2)
+
+
+def test_ledger_totals_against_the_zero_paper(ranks):
+    """Mixed precision: each implementation's total vs the paper's 2+2+12 per-stage table."""
+    out = {n: train(ranks, f"{n} --precision bf16")[0]["ledger"] for n in ("ddp", "fsdp", "zero2", "zero3")}
+    paper = {s: sum(paper_bytes(s, PSI, 2).values()) for s in (0, 2, 3)}
+    model_states = lambda led: led["params"] + led["grads"] + led["master_params"] + led["optimizer_state"]
+    assert model_states(out["ddp"]) == paper[0] == 16 * PSI
+    assert model_states(out["fsdp"]) == paper[3] == 8 * PSI
+    assert model_states(out["zero2"]) == paper[2] == 2 * PSI + 14 * PSI / 2
+    # ZeRO-3 keeps params under the persistence threshold whole as well (here: all of them)
+    assert model_states(out["zero3"]) == paper[3] + 2 * PSI
+
+
+def test_fsdp_wrap_shards_blocks_as_units(ranks, capsys):
+    out = train(ranks, "fsdp --wrap Block")
+    assert out[0]["desc"]["units"] == ["blocks.1", "blocks.0", "<root>"]
+    res, stdout, _ = run(ranks, capsys, """%%distributed fsdp --wrap Block
+model, optimizer = strategy.prepare(TinyTransformer(), torch.optim.AdamW(TinyTransformer().parameters()))
+""")
+    assert isinstance(res.error_in_exec, RankError)
+    assert "optimizer holds tensors that are not parameters of this model" in stdout
+    res, stdout, _ = run(ranks, capsys, """%%distributed fsdp --wrap Block
+m = TinyTransformer()
+model, optimizer = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+print(type(m.blocks[0]).__name__, type(m.embed).__name__, type(m.blocks[0].mlp.up.weight).__name__)
+""")
+    assert "[rank 0] FSDPBlock Embedding DTensor" in stdout and "[rank 1] FSDPBlock Embedding DTensor" in stdout
+    assert "fsdp: torch.distributed.fsdp.fully_shard (FSDP2); 3 unit(s) over 2 ranks" in stdout
+
+
+def test_offload_keeps_state_on_host(ranks):
+    base = train(ranks, "zero3")[0]["losses"]
+    z3 = train(ranks, "zero3 --offload both")
+    assert_same_losses(z3[0]["losses"], base)
+    assert set(z3[0]["ledger"]["offloaded"]) >= {"params", "master_params", "optimizer_state"}
+    assert z3[0]["desc"]["offload"] == "optimizer + param to cpu"
+    assert z3[0]["desc"]["deepspeed_config"]["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ledger_of(z3[0]) == expected_ledger("zero3", "fp32", NUMELS, 2, offload="both")
+
+    z2 = train(ranks, "zero2 --offload optimizer")
+    off = z2[0]["ledger"]["offloaded"]
+    assert "params" not in off and off["optimizer_state"] == z2[0]["ledger"]["optimizer_state"]
+    assert ledger_of(z2[0]) == expected_ledger("zero2", "fp32", NUMELS, 2, offload="optimizer")
+
+    fs = train(ranks, "fsdp --offload")
+    assert set(fs[0]["ledger"]["offloaded"]) == {"params", "grads", "optimizer_state", "other"}
+    assert fs[0]["desc"]["offload"].startswith("CPUOffloadPolicy")
+    assert_same_losses(fs[0]["losses"], base)
+
+    plain = train(ranks, "zero2")
+    assert plain[0]["ledger"]["offloaded"] == {}
+
+
+def test_activation_checkpointing_saves_fewer_activations(ranks, capsys):
+    cell = """%%distributed ddp {flags} --quiet
+m = TinyTransformer()
+model, optimizer = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+x, y = next(iter(strategy.dataloader(_data, batch_size=4, shuffle=False)))
+saved = [0]
+def pack(t):
+    saved[0] += t.numel() * t.element_size()
+    return t
+with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    loss = lm_loss(model(x), y)
+strategy.backward(loss)
+_ac = dict(saved=saved[0], loss=loss.item(), grad=m.head.weight.grad.clone(), desc=dict(strategy.describe()))
+"""
+    got = {}
+    for flags in ("", "--activation-checkpointing", "--activation-checkpointing Attention"):
+        ranks.run_cell(cell.format(flags=flags)).raise_error()
+        ranks.run_line_magic("dist_pull", "_ac --rank 0")
+        got[flags] = ranks.user_ns["_ac"]
+    plain, blocks, attn = got[""], got["--activation-checkpointing"], got["--activation-checkpointing Attention"]
+    assert blocks["desc"]["activation_checkpointing"] == "2 x Block"
+    assert attn["desc"]["activation_checkpointing"] == "2 x Attention"
+    assert blocks["saved"] < attn["saved"] < plain["saved"]
+    assert blocks["saved"] < 0.5 * plain["saved"]
+    assert blocks["loss"] == plain["loss"]
+    torch.testing.assert_close(blocks["grad"], plain["grad"])  # recomputation changes no maths
+
+
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+def test_grad_accum_equals_larger_batch(ranks, name):
+    # SGD: Adam would turn float noise in exactly-zero gradients (e.g. key biases) into full steps
+    big = train(ranks, name, steps=2, batch=4, lr=0.5, sgd=True)
+    acc = train(ranks, f"{name} --grad-accum 2", steps=4, batch=2, lr=0.5, sgd=True)
+    assert_same_weights(acc[0]["sd"], big[0]["sd"], rtol=1e-4, atol=1e-6)
+    assert [r["step"] for r in acc[0]["logs"]] == [0, 1, 1, 2]  # log() after micro-steps 1..4
+    assert acc[0]["ledger"]["when"] == "step 2"
+
+
+def test_summary_and_describe(ranks, capsys):
+    res, out, _ = run(ranks, capsys, "%%distributed zero3 --offload both\n_r = _run(strategy, steps=1)")
+    assert res.success
+    assert ("zero3: deepspeed.DeepSpeedEngine + DeepSpeedZeroOptimizer_Stage3; ZeRO stage 3: optimizer state + "
+            "gradients + parameters partitioned over 2 ranks; precision fp32; offload optimizer + param to cpu; "
+            "optimizer torch.optim.adamw.AdamW (client optimizer inside DeepSpeedZeroOptimizer_Stage3; "
+            "no DeepSpeed C++ op)") in out
+    res, out, _ = run(ranks, capsys, "%%rank 0\nprint(strategy.describe())")
+    assert "deepspeed_config" in out and '"gradient_clipping": 0.0' in out and '"stage": 3' in out
+    res, out, _ = run(ranks, capsys, "%%distributed ddp\nx = 1")
+    assert "ddp: strategy.prepare(model, optimizer) was not called in this cell" in out
+
+
+def test_export_config_is_the_config_used(ranks, tmp_path):
+    path = tmp_path / "zero2.json"
+    ranks.run_cell(f"%%distributed zero2 --precision bf16 --micro-batch 4 --export-config {path}\n"
+                   "_r = _run(strategy, steps=1, batch=4)").raise_error()
+    cfg = json.loads(path.read_text())
+    ranks.run_line_magic("dist_pull", "_r --rank 0")
+    assert cfg == ranks.user_ns["_r"]["desc"]["deepspeed_config"]
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"] == {"enabled": True}
+    # deepspeed.initialize takes the file as is
+    ranks.user_ns["_cfg_path"] = str(path)
+    ranks.run_line_magic("dist_push", "_cfg_path")
+    res = ranks.run_cell("""%%distributed --quiet
+import deepspeed, json
+_m = TinyTransformer()
+_engine, *_ = deepspeed.initialize(model=_m, optimizer=torch.optim.AdamW(_m.parameters()),
+                                   config=json.load(open(_cfg_path)))
+_ok = type(_engine).__name__
+""")
+    res.raise_error()
+    ranks.run_line_magic("dist_pull", "_ok")
+    assert ranks.user_ns["_ok"] == ["DeepSpeedEngine", "DeepSpeedEngine"]
+    # and Hugging Face TrainingArguments with matching values reports no mismatch
+    from transformers import TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path / "hf"), deepspeed=str(path), bf16=True,
+                             per_device_train_batch_size=4, max_grad_norm=0.0, use_cpu=True,
+                             report_to=[])
+    assert args.hf_deepspeed_config.mismatches == []
+    assert args.hf_deepspeed_config.config["zero_optimization"]["stage"] == 2
+
+
+BAD_STRATEGY_LINES = [
+    ("ddp --offload", "--offload does not apply to ddp; use fsdp --offload or zero3 --offload both"),
+    ("ddp --wrap Block", "--wrap does not apply to ddp; it applies to fsdp"),
+    ("zero3 --bucket-mb 5", "--bucket-mb does not apply to zero3; it applies to ddp"),
+    ("fsdp --precision fp16", "nbtool wires no loss scaler into FSDP2"),
+    ("fsdp --offload optimizer", "moves parameters, gradients and optimizer state together"),
+    ("zero2 --offload params", "DeepSpeed offloads parameters only in ZeRO stage 3"),
+    ("zero1 --precision fp16", "DeepSpeed's CPU accelerator has no fp16 loss scaling; use --precision bf16"),
+    ("ddp --precision fp8", "invalid choice: 'fp8'"),
+    ("ddp --grad-accum 0", "value '0' is not valid; expected an integer >= 1"),
+    ("ddp --grad-clip 0", "value '0' is not valid; expected a number > 0"),
+    ("--precision bf16", "--precision needs a strategy word first, e.g. %%distributed ddp --precision"),
+    ("--wrap Block", "--wrap needs a strategy word first"),
+    ("ddp --ranks 0", "--ranks does not apply with a strategy: ddp runs on every rank"),
+    ("zero2 --ds-config /nonexistent/x.json", "--ds-config '/nonexistent/x.json': No such file or directory"),
+    ("fsdp --export-config x.json", "--export-config writes a DeepSpeed config; it applies to zero1, zero2, zero3, not fsdp"),
+    ("zero4", "unknown strategy 'zero4'; allowed: ddp, fsdp, zero1, zero2, zero3"),
+]
+
+
+@pytest.mark.parametrize("line,fragment", BAD_STRATEGY_LINES, ids=[l for l, _ in BAD_STRATEGY_LINES])
+def test_invalid_combinations_refused_before_running(ranks, line, fragment):
+    with pytest.raises(UsageError) as info:
+        ranks.run_cell_magic("distributed", line, "raise SystemExit('must not run')")
+    assert fragment in str(info.value)
+
+
+def test_ds_config_conflicts(ranks, tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match="is not valid JSON"):
+        ranks.run_cell_magic("distributed", f"zero2 --ds-config {bad}", "x = 1")
+    s3 = tmp_path / "s3.json"
+    s3.write_text(json.dumps({"zero_optimization": {"stage": 3}}))
+    with pytest.raises(UsageError, match="zero_optimization.stage 3 but the strategy is zero2; use %%distributed zero3"):
+        ranks.run_cell_magic("distributed", f"zero2 --ds-config {s3}", "x = 1")
+
+
+@pytest.mark.parametrize("line,cell,fragment", [
+    ("fsdp --wrap Nope", "strategy.prepare(TinyTransformer(), torch.optim.SGD([torch.zeros(1)], lr=1))",
+     "--wrap Nope: the model has no module of class Nope; its classes are Attention, Block, Embedding"),
+    ("ddp --activation-checkpointing Nope", "m = TinyTransformer(); strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=1))",
+     "--activation-checkpointing Nope: the model has no module of class Nope"),
+    ("ddp", "m = TinyTransformer(); o = torch.optim.SGD(m.parameters(), lr=1)\n"
+            "strategy.prepare(m, o); strategy.prepare(m, o)", "prepare() was already called in this cell"),
+    ("zero2", "strategy.backward(torch.ones(()))", "call strategy.prepare(model, optimizer) before strategy.backward"),
+])
+def test_model_dependent_refusals(ranks, capsys, line, cell, fragment):
+    res, out, _ = run(ranks, capsys, f"%%distributed {line}\n{cell}")
+    assert isinstance(res.error_in_exec, RankError)
+    assert f"ranks 0-1: StrategyError: {fragment}" in out
