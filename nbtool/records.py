@@ -51,11 +51,18 @@ class MemoryLedger:
         return d
 
     def __str__(self) -> str:
-        parts = ", ".join(f"{c} {_mib(getattr(self, c))}" for c in LEDGER_CATEGORIES if getattr(self, c))
+        parts = ", ".join(f"{c} {format_bytes(getattr(self, c))}" for c in LEDGER_CATEGORIES if getattr(self, c))
         off = sum(self.offloaded.values())
-        tail = f" ({_mib(off)} offloaded to host)" if off else ""
-        return f"rank {self.rank} {self.strategy} [{self.when}]: {parts}; total {_mib(self.total)}{tail}"
+        tail = f" ({format_bytes(off)} offloaded to host)" if off else ""
+        return f"rank {self.rank} {self.strategy} [{self.when}]: {parts}; total {format_bytes(self.total)}{tail}"
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
+def format_bytes(n: float) -> str:
+    """Binary units, 3 significant figures: 512 B, 1.50 KiB, 13.1 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{n:.3g} {unit}" if n >= 10 else f"{n:.2f} {unit}"

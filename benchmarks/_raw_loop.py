@@ -1,0 +1,61 @@
+"""The hand-written baseline for strategy_overhead.py, launched with torchrun.
+
+    torchrun --nproc_per_node 2 benchmarks/_raw_loop.py ddp|zero3 STEPS WARMUP
+
+Plain DistributedDataParallel or deepspeed.initialize (with the same DeepSpeed
+config nbtool generates), the same model, data and loop; prints the per-step
+wall times of rank 0 as JSON on its last line.
+"""
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+import torch
+import torch.distributed as dist
+
+from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.strategies.spec import StrategySpec, deepspeed_config
+
+MODEL = dict(vocab=256, dim=256, heads=4, layers=4, seq=32)
+
+
+def main():
+    name, steps, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
+    dist.init_process_group("gloo")
+    torch.manual_seed(0)
+    model = TinyTransformer(**MODEL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if name == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+        backward, step = (lambda loss: loss.backward()), (lambda: (opt.step(), opt.zero_grad()))
+    else:
+        import deepspeed
+        import deepspeed.ops as ops
+
+        vars(ops)["__compatible_ops__"] = {"deepspeed_shm_comm": False}
+        deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
+        cfg = deepspeed_config(StrategySpec(name), dist.get_world_size())
+        model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+        backward, step = model.backward, model.step
+    data = SyntheticTokens(samples=4096, seq=MODEL["seq"], vocab=MODEL["vocab"])
+    sampler = torch.utils.data.DistributedSampler(data, shuffle=False)
+    loader = torch.utils.data.DataLoader(data, batch_size=8, sampler=sampler)
+    times = []
+    for i, (x, y) in enumerate(loader):
+        t0 = time.perf_counter()
+        loss = lm_loss(model(x), y)
+        backward(loss)
+        step()
+        times.append(time.perf_counter() - t0)
+        if i + 1 == warmup + steps:
+            break
+    if dist.get_rank() == 0:
+        print(json.dumps(times[warmup:]))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Per-step cost of nbtool's strategy layer against hand-written torchrun loops.
+
+On the same 2 CPU ranks (gloo), the same model, data and loop run
+- as ``%%distributed ddp`` / ``%%distributed zero3`` cells (strategy.prepare,
+  strategy.backward, the StepOptimizer proxy and the ledger snapshot per step),
+- as a plain script under torchrun (DDP / deepspeed.initialize with the same
+  DeepSpeed config).
+Each runs ``--rounds`` times, alternating, and the median per-step wall time
+of rank 0 is compared. Prints ``strategy_overhead_ratio=<worst of the two>``
+last; target <= 1.05.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from _shell import shell
+
+HERE = Path(__file__).resolve().parent
+
+CELL = """%%distributed {name} --quiet
+import time
+from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = strategy.prepare(model, optimizer)
+data = SyntheticTokens(samples=4096, seq=32, vocab=256)
+times = []
+for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=8, shuffle=False)):
+    t0 = time.perf_counter()
+    loss = lm_loss(model(x), y)
+    strategy.backward(loss)
+    optimizer.step(); optimizer.zero_grad()
+    times.append(time.perf_counter() - t0)
+    if i + 1 == {warmup} + {steps}:
+        break
+times = times[{warmup}:]
+"""
+
+
+def raw(name: str, steps: int, warmup: int) -> list[float]:
+    from nbtool.cluster import free_port
+
+    env = dict(os.environ, DS_ACCELERATOR="cpu")
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+         "--master_port", str(free_port()), str(HERE / "_raw_loop.py"), name, str(steps), str(warmup)],
+        capture_output=True, text=True, env=env, check=True, timeout=600)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=3)
+    a = ap.parse_args()
+    ip = shell()
+    ip.run_line_magic("cluster", "start -n 2")
+    ratios = {}
+    for name in ("ddp", "zero3"):
+        nb, hand = [], []
+        for _ in range(a.rounds):
+            hand.append(statistics.median(raw(name, a.steps, a.warmup)))
+            ip.run_cell(CELL.format(name=name, steps=a.steps, warmup=a.warmup)).raise_error()
+            ip.run_line_magic("dist_pull", "times --rank 0")
+            nb.append(statistics.median(ip.user_ns["times"]))
+        nb_s, hand_s = statistics.median(nb), statistics.median(hand)
+        ratios[name] = nb_s / hand_s
+        print(f"{name:6} per-step median: nbtool {nb_s * 1e3:7.2f} ms   torchrun {hand_s * 1e3:7.2f} ms   "
+              f"ratio {ratios[name]:.3f}   (rounds nbtool {[round(t * 1e3, 1) for t in nb]}, "
+              f"torchrun {[round(t * 1e3, 1) for t in hand]})")
+    ip.run_line_magic("cluster", "stop")
+    print(f"strategy_overhead_ratio={max(ratios.values()):.3f}")
+
+
+if __name__ == "__main__":
+    main()
