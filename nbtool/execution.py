@@ -70,12 +70,15 @@ def run_cell(
     timeout: float | None = None,
     quiet: bool = False,
     show_rich_from: int | None = None,
+    on_tick=None,
 ) -> CellResult:
     """Execute ``code`` on ``ranks`` and block until every one is done.
 
     Raises RankError (some rank raised), CellTimeout (``timeout`` passed;
     unfinished ranks were interrupted) or RanksInterrupted (Ctrl-C, forwarded
     to the ranks as SIGINT). ``quiet`` hides the ranks' output, not errors.
+    ``on_tick(children)`` is called from this (the kernel's main) thread on
+    every wait tick, with the (rank, message future) pairs, to read live data.
     """
     view = cluster.view(ranks)
     t0 = time.perf_counter()
@@ -93,6 +96,8 @@ def run_cell(
     try:
         while not ar.wait(TICK_S):
             out.update(texts())
+            if on_tick is not None:
+                on_tick(children)
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 stop_reason = "timeout"
                 break

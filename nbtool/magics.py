@@ -76,6 +76,11 @@ def _strategy_options(f):
         argument("--ds-config", default=None, metavar="FILE", help="zero*: start from this DeepSpeed JSON"),
         argument("--export-config", default=None, metavar="FILE",
                  help="zero*: write the exact DeepSpeed JSON used to FILE"),
+        argument("--no-metrics", dest="metrics", action="store_false", default=True,
+                 help="do not record collectives, memory and steps for this cell"),
+        argument("--no-watch", dest="watch", action="store_false", default=True,
+                 help="record, but show no live dashboard under the cell"),
+        argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
     ):
         f = a(f)
     return f
@@ -176,6 +181,8 @@ class NbtoolMagics(Magics):
         ``strategy.memory_ledger()``, ``strategy.full_state_dict()``,
         ``strategy.describe()``. Only the word changes between strategies.
         """
+        if line.split()[:1] == ["compare"]:
+            return self._compare(line, cell)
         args = parse_argstring(self.distributed, line)
         if args.strategy is not None and args.strategy not in STRATEGIES:
             raise UsageError(
@@ -196,7 +203,74 @@ class NbtoolMagics(Magics):
         from . import session
 
         session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
-                             quiet=args.quiet, export_config=args.export_config)
+                             quiet=args.quiet, export_config=args.export_config, metrics=args.metrics,
+                             watch=args.watch, name=args.name)
+
+    def _compare(self, line: str, cell: str):
+        """%%distributed compare ddp, fsdp --precision bf16, zero3 --offload both"""
+        import re
+
+        from . import session
+
+        body = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
+        names = "|".join(STRATEGIES)
+        segments = [seg.strip() for seg in re.split(rf",\s*(?=(?:{names})\b)", body) if seg.strip()]
+        if len(segments) < 2:
+            raise UsageError(
+                "compare needs at least two runs, e.g. %%distributed compare ddp, fsdp --precision bf16, zero3"
+            )
+        cluster = self._require_cluster()
+        runs, seen = [], set()
+        timeout, quiet = None, False
+        for seg in segments:
+            args = parse_argstring(self.distributed, seg)
+            if args.strategy not in STRATEGIES:
+                raise UsageError(f"compare: {seg!r} does not start with a strategy; allowed: {', '.join(STRATEGIES)}")
+            for opt, bad in (("--ranks", args.ranks is not None), ("--no-metrics", not args.metrics),
+                             ("--name", args.name is not None), ("--export-config", args.export_config)):
+                if bad:
+                    raise UsageError(f"compare: {opt} does not apply to a comparison ({seg!r})")
+            # the run's name: the segment without the options that apply to the whole cell
+            name = re.sub(r"\s*(--quiet|--no-watch|--timeout(\s+|=)\S+)", "", seg).strip()
+            if name in seen:
+                raise UsageError(f"compare: {name!r} is listed twice")
+            seen.add(name)
+            runs.append((name, strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind)))
+            timeout = args.timeout if args.timeout is not None else timeout
+            quiet = quiet or args.quiet
+        session.compare(cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet)
+
+    @magic_arguments()
+    @argument("names", nargs="*", help="names of recorded runs (default: every run recorded in this kernel)")
+    @argument("--deterministic", action="store_true",
+              help="print only the columns that do not vary between runs (bytes, counts)")
+    @line_magic
+    def dist_compare(self, line=""):
+        """Compare recorded runs side by side: ``%dist_compare ddp fsdp zero3``.
+
+        Runs are named by the strategy word, by the segment of a
+        ``%%distributed compare`` line, or by ``--name``. Shows a table
+        (model-state bytes per rank, comm bytes and collectives per step, step
+        and comm time, final loss; ratios to the first run) and plots.
+        Quote names with spaces: ``%dist_compare ddp "fsdp --wrap Block"``.
+        """
+        from . import session
+
+        args = parse_argstring(self.dist_compare, line)
+        names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
+        session.show_comparison(session.stored_runs(names), self.in_kernel, args.deterministic)
+
+    @magic_arguments()
+    @argument("action", choices=["export"], help="what to do")
+    @argument("path", help="file to write: .json (the whole run) or .csv (one row per record)")
+    @argument("--name", default=None, help="which recorded run (default: the last one)")
+    @line_magic
+    def dist_metrics(self, line=""):
+        """Export a recorded run: ``%dist_metrics export run.json`` (read back with nbtool.metrics.load)."""
+        from . import session
+
+        args = parse_argstring(self.dist_metrics, line)
+        print(session.export_run(args.path, args.name))
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")

@@ -200,13 +200,17 @@ def strategy_spec(args, backend: str | None, device_kind: str):
 STRATEGY_ONLY_OPTIONS = (
     "precision", "grad_accum", "activation_checkpointing", "seed", "grad_clip", "bucket_mb", "wrap", "offload",
     "overlap_comm", "contiguous_gradients", "reduce_bucket_mb", "allgather_bucket_mb", "micro_batch",
-    "ds_config", "export_config",
+    "ds_config", "export_config", "name",
 )
-FLAG_OPTIONS = {"grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True}
+FLAG_OPTIONS = {"grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True,
+                "metrics": True, "watch": True}
 
 
 def strategy_options_given(args) -> list[str]:
     """The strategy options on a line that has no strategy word (to refuse them)."""
     given = [o for o in STRATEGY_ONLY_OPTIONS if getattr(args, o) is not None]
-    given += [o for o, default in FLAG_OPTIONS.items() if getattr(args, o) != default]
-    return ["--" + o.replace("_", "-") for o in given]
+    given = ["--" + o.replace("_", "-") for o in given]
+    flags = {"reshard_after_forward": "--no-reshard-after-forward", "metrics": "--no-metrics", "watch": "--no-watch"}
+    given += [flags.get(o, "--" + o.replace("_", "-")) for o, default in FLAG_OPTIONS.items()
+              if getattr(args, o) != default]
+    return given

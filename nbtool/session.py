@@ -5,6 +5,9 @@ layers to the notebook's display.
 """
 from __future__ import annotations
 
+import sys
+import time
+
 import ipyparallel as ipp
 from IPython.core.error import UsageError
 
@@ -41,9 +44,23 @@ def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
     run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet)
 
 
+# runs recorded in this kernel, by name (latest first wins a name); LAST is the newest
+RUNS: dict = {}
+LAST: list = []  # [RunRecords] (a list so callers can read it after reassignment)
+
+FINISH_TIMEOUT_S = 30.0
+
+
 def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, timeout: float | None,
-                 quiet: bool, export_config: str | None) -> None:
-    """Install ``strategy`` on every rank, run the cell, then print the strategy's one-line summary."""
+                 quiet: bool, export_config: str | None = None, metrics: bool = True, watch: bool = True,
+                 name: str | None = None):
+    """Install ``strategy`` on every rank, run the cell (recording it), then report.
+
+    Returns the run's RunRecords (None with metrics off). The live dashboard
+    shows only in a Jupyter kernel; a static copy of its final figures stays
+    in the output.
+    """
+    from .metrics import RunRecords
     from .rank import strategies
     from .rank.strategies.spec import deepspeed_config, dumps_config
 
@@ -56,14 +73,128 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
                 f.write(text)
         except OSError as e:
             raise UsageError(f"--export-config {export_config!r}: {e.strerror}") from None
-    cluster.view(ranks).apply_sync(strategies.install, spec)
-    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet)
-    if not quiet:
-        summary = cluster.view([0]).apply_sync(strategies.last_summary)[0]
-        if summary:
-            print(summary)
+    run = RunRecords(name=name or spec.name, strategy=spec.name, world_size=cluster.world_size, t_start=time.time())
+    dash = None
+    if metrics and watch and in_kernel and not quiet:
+        from IPython.display import display
+
+        from .widgets import Dashboard
+
+        dash = Dashboard(cluster.world_size, title=f"{run.name}: live")
+        display(dash.widget)
+    cluster.view(ranks).apply_sync(strategies.install, spec, metrics)
+    live = _LiveRecords(run, dash)
+    finished = None
+    try:
+        run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+                 on_tick=live if dash is not None else None)
+    finally:
+        # always stop the recorders: they patch torch.distributed on the ranks
+        finished = _finish(cluster, ranks, want_summary=not quiet)
+        if metrics and finished is not None:
+            run = RunRecords(name=run.name, strategy=run.strategy, world_size=run.world_size, t_start=run.t_start,
+                             t_end=time.time(), description=finished[0]["description"])
+            for part in finished:
+                run.add(part["records"])
+            RUNS[run.name] = run
+            LAST[:] = [run]
+        if dash is not None:
+            dash.refresh(run, force=True)
+            from .widgets import show_figure
+
+            static = dash.static()
+            static.update_layout(title=f"{run.name}: {len(run.comms)} collectives, "
+                                       f"{max((m.step for m in run.steps), default=0)} steps")
+            dash.close()
+            show_figure(static)
+    if not quiet and finished is not None and finished[0]["summary"]:
+        print(finished[0]["summary"])
         if export_config:
             print(f"DeepSpeed config written to {export_config}")
+    return run if metrics else None
+
+
+class _LiveRecords:
+    """Feeds records published by the ranks during the cell to the dashboard (kernel thread)."""
+
+    def __init__(self, run, dash):
+        self.run, self.dash, self.seen = run, dash, set()
+
+    def __call__(self, children) -> None:
+        fresh = False
+        for _, f in children:
+            data = f.output.metadata.get("data") or {}
+            for key in list(data):
+                if key.startswith("nbtool:") and key not in self.seen:
+                    self.seen.add(key)
+                    self.run.add(data[key])
+                    fresh = True
+        if fresh:
+            self.dash.refresh(self.run)
+
+
+def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool):
+    from .rank import strategies
+
+    try:
+        return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=FINISH_TIMEOUT_S)
+    except Exception as e:  # a rank still stuck (after a timeout/interrupt) or gone
+        print(f"nbtool: could not collect the run's records from every rank ({type(e).__name__}); "
+              "%cluster restart if ranks are stuck", file=sys.stderr)
+        return None
+
+
+def compare(cluster: RankCluster, code: str, runs: list[tuple[str, object]], *, in_kernel: bool,
+            timeout: float | None, quiet: bool):
+    """Run the cell once per (name, spec) on the same cluster, then show the comparison."""
+    recorded = []
+    for name, spec in runs:
+        if not quiet:
+            print(f"--- {name} ---")
+        recorded.append(run_strategy(cluster, code, spec, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+                                     watch=False, name=name))
+    show_comparison(recorded, in_kernel)
+
+
+def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False) -> None:
+    """Display the comparison: HTML table + plots in a notebook, text elsewhere.
+
+    ``deterministic`` prints only the columns that do not vary between runs.
+    """
+    from .widgets import Comparison, show_figure
+
+    comparison = Comparison(runs)
+    if deterministic or not in_kernel:
+        print(comparison.text(deterministic=deterministic))
+        return
+    from IPython.display import display
+
+    display(comparison)
+    show_figure(comparison.figure())
+
+
+def stored_runs(names: list[str]) -> list:
+    if not RUNS:
+        raise UsageError("no recorded runs yet; run a %%distributed STRATEGY cell first")
+    missing = [n for n in names if n not in RUNS]
+    if missing:
+        raise UsageError(f"no run named {missing[0]!r}; recorded runs: {', '.join(map(repr, RUNS))}")
+    return [RUNS[n] for n in names] if names else list(RUNS.values())
+
+
+def export_run(path: str, name: str | None) -> str:
+    from . import metrics
+
+    run = stored_runs([name])[0] if name else (LAST[0] if LAST else None)
+    if run is None:
+        raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
+    if not str(path).endswith((".json", ".csv")):
+        raise UsageError(f"export path {path!r}: use a .json or .csv file name")
+    try:
+        metrics.export(run, path)
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+    return f"wrote {len(run.comms)} collectives, {len(run.memory)} memory samples, {len(run.steps)} steps of run {run.name!r} to {path}"
 
 
 def push(cluster: RankCluster, values: dict, ranks: list[int]) -> None:

@@ -24,8 +24,11 @@ def build(spec: StrategySpec):
     return cls(spec, device)
 
 
-def install(spec: StrategySpec) -> None:
-    """Make ``strategy`` in this rank's namespace a fresh strategy for ``spec``."""
+def install(spec: StrategySpec, metrics: bool = True) -> None:
+    """Make ``strategy`` in this rank's namespace a fresh strategy for ``spec``.
+
+    With ``metrics`` a Recorder runs until ``finish()``.
+    """
     import warnings
 
     from IPython import get_ipython  # the engine's shell (not display code)
@@ -37,12 +40,34 @@ def install(spec: StrategySpec) -> None:
     # FSDP2 warns whenever a unit returns a view (e.g. a Linear's output); only
     # an in-place op on that output would matter
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
+    _stop_recorder()
     _last = build(spec)
+    if metrics:
+        import torch.distributed as dist
+
+        from ..recorder import Recorder
+
+        _last.recorder = Recorder(dist.get_rank())
+        _last.recorder.start()
     get_ipython().user_ns["strategy"] = _last
 
 
-def last_summary() -> str | None:
-    return _last.summary() if _last is not None else None
+def _stop_recorder() -> list:
+    if _last is not None and _last.recorder is not None:
+        records, _last.recorder = _last.recorder.stop(), None
+        return records
+    return []
 
 
-__all__ = ["NAMES", "StrategySpec", "build", "install", "last_summary"]
+def finish(want_summary: bool = True) -> dict:
+    """After the cell: stop recording; return this rank's records, summary and description."""
+    out = {"records": _stop_recorder(), "summary": None, "description": {}}
+    if _last is not None:
+        if want_summary:
+            out["summary"] = _last.summary()
+        if _last.model is not None:
+            out["description"] = dict(_last.describe())
+    return out
+
+
+__all__ = ["NAMES", "StrategySpec", "build", "install", "finish"]

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from ...records import MemoryLedger
+from ...metrics import MemoryLedger
 from .spec import StrategySpec
 
 
@@ -149,6 +149,7 @@ class Strategy:
         self._steps = 0  # optimizer steps taken
         self._ledger_at_step: MemoryLedger | None = None
         self._checkpointed: list[str] = []
+        self.recorder = None  # set by install() when metrics are on
         _seed_everything(spec.seed)
 
     # -- the cell contract ---------------------------------------------------
@@ -210,13 +211,13 @@ class Strategy:
 
     def log(self, **scalars) -> None:
         """Record scalars (loss, lr ...) for this rank, tagged with the step."""
-        rec = {"step": self._steps, "micro": self._micro, "time": time.time()}
-        for k, v in scalars.items():
-            rec[k] = v.detach().float().item() if torch.is_tensor(v) else v
-        self.logs.append(rec)
+        values = {k: v.detach().float().item() if torch.is_tensor(v) else v for k, v in scalars.items()}
+        self.logs.append({"step": self._steps, "micro": self._micro, "time": time.time(), **values})
+        if self.recorder is not None:
+            self.recorder.on_log(self._steps, values)
 
     def memory_ledger(self) -> MemoryLedger:
-        """Model-state bytes this rank holds (see nbtool.records.MemoryLedger).
+        """Model-state bytes this rank holds (see nbtool.metrics.MemoryLedger).
 
         After an optimizer step: gradients as that step began, parameters and
         optimizer state just after it (model states at their fullest). Before
@@ -272,6 +273,8 @@ class Strategy:
         if before.offloaded.get("grads"):
             after.offloaded["grads"] = before.offloaded["grads"]
         self._ledger_at_step = after
+        if self.recorder is not None:
+            self.recorder.on_step(self._steps, after)
         return out
 
     def _step(self, closure=None):

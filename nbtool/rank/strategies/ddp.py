@@ -41,6 +41,13 @@ class DDPStrategy(Strategy):
             static_graph=self.spec.static_graph,
             **kwargs,
         )
+        self._python_hook = self.recorder is not None
+        if self._python_hook:
+            # the built-in C++ all-reduce is invisible from Python; this hook does the
+            # same maths (divide by world size, sum) through dist.all_reduce
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+            self._ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
         self._scaler = None
         if self.spec.precision == "fp16":
             self._scaler = torch.amp.GradScaler(self.device.type)
@@ -82,6 +89,8 @@ class DDPStrategy(Strategy):
         d["bucket_cap_mb"] = self.spec.bucket_mb if self.spec.bucket_mb is not None else "25 (DDP default)"
         d["gradient_as_bucket_view"] = self.spec.grad_as_bucket_view
         d["static_graph"] = self.spec.static_graph
+        d["comm_hook"] = ("default_hooks.allreduce_hook (Python, so each bucket's all-reduce is recorded)"
+                          if getattr(self, "_python_hook", False) else "built-in (C++)")
         if self.spec.precision == "bf16":
             d["mixed_precision"] = "torch.autocast bf16 forward; fp32 weights, grads, all-reduce"
         elif self.spec.precision == "fp16":

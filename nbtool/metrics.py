@@ -1,0 +1,234 @@
+"""The record schema: what ranks produce and the kernel and widgets consume.
+
+Plain dataclasses with a schema version, their JSON and CSV export, and
+nothing else (no torch, no display code), so ranks, the kernel, widgets and
+saved files all share them. ``load(path)`` reads an export back.
+
+Times are ``time.time()`` seconds on the rank's own clock (ranks on one host
+share it; across hosts they are only as aligned as the hosts' clocks).
+"""
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import asdict, dataclass, field, fields
+
+SCHEMA_VERSION = 1
+
+LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
+
+
+@dataclass
+class MemoryLedger:
+    """Bytes of model state one rank holds, counted from its own tensors.
+
+    Not RSS and not allocator figures: each category sums the storages of the
+    tensors that rank owns (local shards, DeepSpeed partitions, fp32 master
+    copies, ``optimizer.state``), each storage counted once even when several
+    tensors view it. ``offloaded`` is the part of each category that an
+    offload policy keeps in host memory.
+
+    - params: the model's parameters as this rank stores them (full replica,
+      local shard, or DeepSpeed partition plus persistent small params)
+    - grads: gradients (or gradient partitions / buckets) held for the step
+    - master_params: fp32 copies an optimizer wrapper keeps (DeepSpeed)
+    - optimizer_state: optimizer.state tensors (Adam's exp_avg, exp_avg_sq)
+    - other: optimizer scalars such as Adam's per-parameter step counters
+    """
+
+    rank: int
+    strategy: str
+    when: str  # "now", or "step N" (gradients as step N began, the rest after it)
+    params: int = 0
+    grads: int = 0
+    master_params: int = 0
+    optimizer_state: int = 0
+    other: int = 0
+    offloaded: dict = field(default_factory=dict)
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def total(self) -> int:
+        return sum(getattr(self, c) for c in LEDGER_CATEGORIES)
+
+    def as_dict(self) -> dict:
+        d = asdict(self)
+        d["total"] = self.total
+        return d
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{c} {format_bytes(getattr(self, c))}" for c in LEDGER_CATEGORIES if getattr(self, c))
+        off = sum(self.offloaded.values())
+        tail = f" ({format_bytes(off)} offloaded to host)" if off else ""
+        return f"rank {self.rank} {self.strategy} [{self.when}]: {parts}; total {format_bytes(self.total)}{tail}"
+
+
+def format_bytes(n: float) -> str:
+    """Binary units, 3 significant figures: 512 B, 1.50 KiB, 13.1 MiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            break
+        n /= 1024
+    if unit == "B":
+        return f"{int(n)} B"
+    return f"{n:.3g} {unit}" if n >= 10 else f"{n:.2f} {unit}"
+
+
+@dataclass
+class CommRecord:
+    """One collective a rank issued.
+
+    ``size_bytes`` is S as nccl-tests defines it for the op (see
+    nbtool.collectives); ``bus_bytes`` = S * bus factor. ``clock`` says how
+    ``seconds`` was measured: "wall" (issue to completion on the host clock:
+    the call's return for blocking ops, the work's future for async ones) or
+    "cuda_event" (device time between CUDA events on the issuing stream).
+    """
+
+    rank: int
+    seq: int  # this rank's n-th collective in the run (the same n is the same collective on every rank)
+    op: str
+    size_bytes: int
+    bus_bytes: float
+    group_size: int
+    dtype: str
+    t_issue: float
+    seconds: float
+    clock: str
+    step: int  # optimizer steps completed when it was issued
+    algbw: float = 0.0  # bytes / s
+    busbw: float = 0.0
+    schema: int = SCHEMA_VERSION
+
+
+@dataclass
+class MemorySample:
+    """Memory of one rank at one moment, each figure labelled by what it measures.
+
+    - rss / peak_rss: the process's resident set size now / its high-water
+      mark (OS figures: include libraries, allocator caches, buffers)
+    - cuda_allocated / cuda_reserved / cuda_peak: the CUDA caching
+      allocator's counters (None on CPU ranks)
+    - ledger: bytes of model state the rank owns by category (MemoryLedger
+      fields), only in samples taken at optimizer steps
+    """
+
+    rank: int
+    t: float
+    step: int
+    source: str  # "interval" (sampler thread) or "step" (at an optimizer step)
+    rss: int
+    peak_rss: int | None = None
+    cuda_allocated: int | None = None
+    cuda_reserved: int | None = None
+    cuda_peak: int | None = None
+    ledger: dict | None = None
+    schema: int = SCHEMA_VERSION
+
+
+@dataclass
+class StepMarker:
+    """An optimizer step completed on a rank (at an accumulation boundary)."""
+
+    rank: int
+    step: int  # 1 for the first step
+    t: float
+    schema: int = SCHEMA_VERSION
+
+
+@dataclass
+class ScalarRecord:
+    """Scalars from ``strategy.log(...)`` (loss, lr ...)."""
+
+    rank: int
+    step: int
+    t: float
+    values: dict
+    schema: int = SCHEMA_VERSION
+
+
+RECORD_TYPES = {c.__name__: c for c in (CommRecord, MemorySample, StepMarker, ScalarRecord, MemoryLedger)}
+
+
+@dataclass
+class RunRecords:
+    """Everything recorded for one cell run."""
+
+    name: str
+    strategy: str | None
+    world_size: int
+    t_start: float
+    t_end: float | None = None
+    description: dict = field(default_factory=dict)
+    comms: list = field(default_factory=list)
+    memory: list = field(default_factory=list)
+    steps: list = field(default_factory=list)
+    scalars: list = field(default_factory=list)
+    schema: int = SCHEMA_VERSION
+
+    def add(self, records) -> None:
+        for r in records:
+            {CommRecord: self.comms, MemorySample: self.memory, StepMarker: self.steps,
+             ScalarRecord: self.scalars}[type(r)].append(r)
+
+    def to_json(self) -> dict:
+        d = {k: getattr(self, k) for k in ("name", "strategy", "world_size", "t_start", "t_end",
+                                             "description", "schema")}
+        for key in ("comms", "memory", "steps", "scalars"):
+            d[key] = [asdict(r) for r in getattr(self, key)]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "RunRecords":
+        if d.get("schema") != SCHEMA_VERSION:
+            raise ValueError(f"record schema {d.get('schema')} is not {SCHEMA_VERSION} (this nbtool)")
+        kinds = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord}
+        run = cls(**{k: d[k] for k in ("name", "strategy", "world_size", "t_start", "t_end", "description")})
+        for key, kind in kinds.items():
+            getattr(run, key).extend(kind(**r) for r in d.get(key, []))
+        return run
+
+
+def export(run: RunRecords, path: str) -> None:
+    """Write ``run`` as JSON (``.json``) or as CSV (``.csv``: one row per record, a ``kind`` column)."""
+    if str(path).endswith(".csv"):
+        rows = [(kind, asdict(r)) for kind, items in (("comm", run.comms), ("memory", run.memory),
+                                                       ("step", run.steps), ("scalar", run.scalars))
+                for r in items]
+        columns = ["kind"] + sorted({k for _, r in rows for k in r})
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=columns)
+            w.writeheader()
+            for kind, r in rows:
+                w.writerow({"kind": kind, **{k: json.dumps(v) if isinstance(v, dict) else v for k, v in r.items()}})
+        return
+    with open(path, "w") as f:
+        json.dump(run.to_json(), f)
+
+
+def load(path: str) -> RunRecords:
+    """Read a run written by ``export`` (JSON, or CSV with the run's name taken from the file)."""
+    if not str(path).endswith(".csv"):
+        with open(path) as f:
+            return RunRecords.from_json(json.load(f))
+    kinds = {"comm": CommRecord, "memory": MemorySample, "step": StepMarker, "scalar": ScalarRecord}
+    run = RunRecords(name=str(path), strategy=None, world_size=0, t_start=0.0)
+    with open(path, newline="") as f:
+        for row in csv.DictReader(f):
+            kind = kinds[row.pop("kind")]
+            names = {fl.name: fl for fl in fields(kind)}
+            run.add([kind(**{k: _from_csv(v, names[k].type) for k, v in row.items() if k in names})])
+    run.world_size = max((r.rank for r in run.memory + run.steps + run.comms + run.scalars), default=-1) + 1
+    return run
+
+
+def _from_csv(value: str, typ: str):
+    if value == "":
+        return None
+    if "dict" in typ:
+        return json.loads(value)
+    if typ.startswith("int"):
+        return int(value)
+    if typ.startswith("float"):
+        return float(value)
+    return value

@@ -1,0 +1,88 @@
+"""Figures derived from one run's records (pure functions; kernel and widgets use them).
+
+Step k spans from step k-1's marker to step k's marker on the same rank;
+step 1 (which also holds model set-up) is left out of means. Collectives
+belong to the step during which they were issued. "comm time" sums the
+wall (or device) seconds of those collectives: time spent in or waiting on
+communication, which on CPU ranks is not overlapped with compute.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+
+from .metrics import LEDGER_CATEGORIES, RunRecords
+
+
+def step_table(run: RunRecords, rank: int = 0) -> list[dict]:
+    """Per step (2..N) on ``rank``: duration, comm seconds, comm bytes by op, collective count."""
+    marks = sorted((m for m in run.steps if m.rank == rank), key=lambda m: m.step)
+    comms = defaultdict(list)
+    for c in run.comms:
+        if c.rank == rank:
+            comms[c.step + 1].append(c)  # issued after c.step steps: part of step c.step + 1
+    rows = []
+    for prev, cur in zip(marks, marks[1:]):
+        cs = comms.get(cur.step, [])
+        by_op = defaultdict(int)
+        for c in cs:
+            by_op[c.op] += c.size_bytes
+        comm_s = sum(c.seconds for c in cs)
+        duration = cur.t - prev.t
+        rows.append({"step": cur.step, "seconds": duration, "comm_s": comm_s,
+                     "compute_s": max(0.0, duration - comm_s), "bytes_by_op": dict(by_op),
+                     "bus_bytes": sum(c.bus_bytes for c in cs), "count": len(cs),
+                     "count_by_op": {op: sum(1 for c in cs if c.op == op) for op in by_op}})
+    return rows
+
+
+def straggler_spread(run: RunRecords) -> list[tuple[int, str, float]]:
+    """(seq, op, seconds between the first and last rank entering it) for collectives seen on every rank."""
+    by_seq = defaultdict(dict)
+    for c in run.comms:
+        by_seq[c.seq][c.rank] = c
+    out = []
+    for seq in sorted(by_seq):
+        recs = by_seq[seq]
+        if len(recs) == run.world_size and len({r.op for r in recs.values()}) == 1:
+            ts = [r.t_issue for r in recs.values()]
+            out.append((seq, next(iter(recs.values())).op, max(ts) - min(ts)))
+    return out
+
+
+def peak_ledger(run: RunRecords, rank: int) -> dict:
+    """The step sample with the largest model-state total on ``rank`` (categories in bytes)."""
+    best = {}
+    for m in run.memory:
+        if m.rank == rank and m.ledger:
+            if sum(m.ledger.get(c, 0) for c in LEDGER_CATEGORIES) >= sum(best.get(c, 0) for c in LEDGER_CATEGORIES):
+                best = m.ledger
+    return {c: best.get(c, 0) for c in LEDGER_CATEGORIES}
+
+
+def peak_rss(run: RunRecords, rank: int) -> int:
+    return max((m.peak_rss or m.rss for m in run.memory if m.rank == rank), default=0)
+
+
+def summary(run: RunRecords) -> dict:
+    """The comparison row for a run (rank 0 for per-step figures, all ranks for memory)."""
+    steps = step_table(run, 0)
+    ranks = range(run.world_size)
+    ledgers = {r: peak_ledger(run, r) for r in ranks}
+    ops = sorted({op for s in steps for op in s["bytes_by_op"]})
+    mean = lambda xs: statistics.fmean(xs) if xs else 0.0
+    losses = [s for s in run.scalars if s.rank == 0 and "loss" in s.values]
+    return {
+        "name": run.name,
+        "strategy": run.strategy,
+        "steps": len(steps) + (1 if steps else 0),
+        "model_state_bytes": {r: sum(led.values()) for r, led in ledgers.items()},
+        "ledger": ledgers,
+        "peak_rss": {r: peak_rss(run, r) for r in ranks},
+        "comm_bytes_per_step": {op: mean([s["bytes_by_op"].get(op, 0) for s in steps]) for op in ops},
+        "bus_bytes_per_step": mean([s["bus_bytes"] for s in steps]),
+        "collectives_per_step": {op: mean([s["count_by_op"].get(op, 0) for s in steps]) for op in ops},
+        "step_s": mean([s["seconds"] for s in steps]),
+        "comm_s_per_step": mean([s["comm_s"] for s in steps]),
+        "final_loss": losses[-1].values["loss"] if losses else None,
+    }

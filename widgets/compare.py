@@ -1,0 +1,93 @@
+"""Side-by-side comparison of runs (strategies): a table with ratios to the first, and plots.
+
+Consumes RunRecords (through nbtool.run_analysis summaries) only.
+"""
+from __future__ import annotations
+
+import html
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from nbtool import run_analysis
+from nbtool.metrics import RunRecords
+
+MIB = 2**20
+
+
+def _ratio(x, base) -> str:
+    return f"x{x / base:.2f}" if base else "-"
+
+
+class Comparison:
+    """``%dist_compare`` / ``%%distributed compare``: rows in run order; ratios are to the first run.
+
+    Deterministic columns (for a fixed model, data and world size): model-state
+    bytes (the ledger, max over ranks), comm bytes and collectives per step.
+    Times and RSS vary run to run.
+    """
+
+    def __init__(self, runs: list[RunRecords]):
+        self.runs = runs
+        self.rows = [run_analysis.summary(r) for r in runs]
+
+    def _cells(self, deterministic: bool) -> tuple[list[str], list[list[str]]]:
+        base = self.rows[0]
+        bmax = max(base["model_state_bytes"].values() or [0])
+        bbytes = sum(base["comm_bytes_per_step"].values())
+        cols = ["run", "model state MiB (max rank)", "vs first", "comm MiB/step", "vs first",
+                "collectives/step", "by op (MiB/step)"]
+        if not deterministic:
+            cols += ["peak RSS MiB", "step ms", "vs first", "comm ms/step", "final loss"]
+        out = []
+        for row in self.rows:
+            ms = max(row["model_state_bytes"].values() or [0])
+            cb = sum(row["comm_bytes_per_step"].values())
+            cells = [row["name"], f"{ms / MIB:.3f}", _ratio(ms, bmax), f"{cb / MIB:.3f}", _ratio(cb, bbytes),
+                     f"{sum(row['collectives_per_step'].values()):g}",
+                     ", ".join(f"{op} {b / MIB:.3f}" for op, b in row["comm_bytes_per_step"].items()) or "-"]
+            if not deterministic:
+                cells += [f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
+                          _ratio(row["step_s"], base["step_s"]), f"{row['comm_s_per_step'] * 1e3:.1f}",
+                          "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"]
+            out.append(cells)
+        return cols, out
+
+    def text(self, deterministic: bool = False) -> str:
+        cols, rows = self._cells(deterministic)
+        widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        cols, rows = self._cells(False)
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        note = ("model state = bytes of parameters, gradients, master copies and optimizer state each rank owns "
+                "(ledger, not RSS); comm = collectives issued per optimizer step (mean of steps 2..N, rank 0); "
+                "ratios are to the first run")
+        return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+                f"<p style='font-size:smaller'>{html.escape(note)}</p>")
+
+    def figure(self) -> go.Figure:
+        fig = make_subplots(rows=1, cols=3, subplot_titles=(
+            "model state per rank (ledger, MiB)", "collective latency by op (ms)", "loss, rank 0"))
+        for i, (run, row) in enumerate(zip(self.runs, self.rows)):
+            color = f"hsl({(i * 137) % 360},60%,50%)"
+            fig.add_trace(go.Bar(x=[f"rank {r}" for r in row["model_state_bytes"]],
+                                 y=[b / MIB for b in row["model_state_bytes"].values()],
+                                 name=row["name"], marker_color=color, legendgroup=row["name"]), 1, 1)
+            comms = [c for c in run.comms if c.seconds > 0]
+            fig.add_trace(go.Box(x=[c.op for c in comms], y=[c.seconds * 1e3 for c in comms], name=row["name"],
+                                 marker_color=color, legendgroup=row["name"], showlegend=False), 1, 2)
+            loss = [s for s in run.scalars if s.rank == 0 and "loss" in s.values]
+            fig.add_trace(go.Scatter(x=[s.step for s in loss], y=[s.values["loss"] for s in loss],
+                                     mode="lines", name=row["name"], line_color=color,
+                                     legendgroup=row["name"], showlegend=False), 1, 3)
+        fig.update_layout(barmode="group", boxmode="group", height=400, margin=dict(t=50, l=40, r=20, b=40))
+        fig.update_yaxes(type="log", row=1, col=2)
+        return fig

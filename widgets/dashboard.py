@@ -1,0 +1,144 @@
+"""The live dashboard under a ``%%distributed STRATEGY`` cell.
+
+Consumes RunRecords only. One plotly FigureWidget with six panels whose
+traces are created once and mutated in place (``batch_update`` inside the
+container's ``hold_sync``: one message per refresh); the caller throttles
+refreshes. ``static()`` gives a plain Figure copy to leave in the notebook.
+"""
+from __future__ import annotations
+
+import html
+import time
+
+import ipywidgets as W
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from nbtool import run_analysis
+from nbtool.collectives import OPS
+from nbtool.metrics import LEDGER_CATEGORIES, RunRecords
+
+MIB = 2**20
+COLORS = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880"]
+PANELS = (
+    "model state per rank (ledger, MiB)", "process RSS per rank (OS, MiB)", "loss (strategy.log)",
+    "collective latency (ms)", "bus bandwidth vs size (GB/s)", "per step, rank 0: comm vs other (ms)",
+)
+
+
+class Dashboard:
+    def __init__(self, world_size: int, title: str = "", refresh_s: float = 0.5):
+        self.world_size = world_size
+        self.refresh_s = refresh_s
+        self._last = 0.0
+        self.refreshes = 0
+        fig = make_subplots(rows=2, cols=3, subplot_titles=PANELS, horizontal_spacing=0.07, vertical_spacing=0.16)
+        ranks = [f"rank {r}" for r in range(world_size)]
+        for i, cat in enumerate(LEDGER_CATEGORIES):
+            fig.add_trace(go.Bar(x=ranks, y=[0] * world_size, name=cat, marker_color=COLORS[i],
+                                 legendgroup="ledger"), 1, 1)
+        for r in range(world_size):
+            c = COLORS[r % len(COLORS)]
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"rank {r} rss", line_color=c,
+                                     showlegend=False), 1, 2)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=f"rank {r} loss", line_color=c,
+                                     showlegend=False), 1, 3)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=f"rank {r} latency", marker_color=c,
+                                     marker_size=4, showlegend=False), 2, 1)
+        for i, op in enumerate(OPS[:-1]):
+            fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=op, marker_symbol="diamond",
+                                     marker_color=COLORS[i % len(COLORS)], legendgroup="ops"), 2, 2)
+        fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#ef553b", showlegend=False), 2, 3)
+        fig.add_trace(go.Bar(x=[], y=[], name="other (compute, data, optimizer)", marker_color="#636efa",
+                             showlegend=False), 2, 3)
+        fig.update_layout(barmode="stack", height=620, margin=dict(t=60, l=40, r=20, b=40),
+                          title=title, legend=dict(orientation="h", y=-0.08))
+        fig.update_xaxes(type="log", title_text="S (bytes)", row=2, col=2)
+        fig.update_xaxes(title_text="s since start", row=1, col=2)
+        fig.update_xaxes(title_text="step", row=1, col=3)
+        fig.update_xaxes(title_text="s since start", row=2, col=1)
+        fig.update_xaxes(title_text="step", row=2, col=3)
+        self.fig = go.FigureWidget(fig)
+        self.op = W.Dropdown(options=list(OPS[:-1]), value="all_reduce", description="latency op",
+                             layout=W.Layout(width="240px"))
+        self.status = W.HTML()
+        self.widget = W.VBox([W.HBox([self.op, self.status]), self.fig])
+        self._run: RunRecords | None = None
+        self._op_chosen = False  # once the user picks an op, keep it
+        self._setting = False
+        self.op.observe(self._on_op, names="value")
+
+    def _on_op(self, change):
+        if self._setting:
+            return
+        self._op_chosen = True
+        if self._run is not None:
+            self.refresh(self._run, force=True)
+
+    def refresh(self, run: RunRecords, force: bool = False) -> bool:
+        """Redraw from ``run`` if ``refresh_s`` has passed (or ``force``); True if it drew."""
+        now = time.monotonic()
+        self._run = run
+        if not force and now - self._last < self.refresh_s:
+            return False
+        self._last = now
+        t0 = run.t_start
+        traces = self.fig.data
+        n = self.world_size
+        ncat = len(LEDGER_CATEGORIES)
+        ledgers = [run_analysis.peak_ledger(run, r) for r in range(n)]
+        ops_seen = sorted({c.op for c in run.comms})
+        if not self._op_chosen and ops_seen and self.op.value not in ops_seen:
+            self._setting = True
+            self.op.value = "all_reduce" if "all_reduce" in ops_seen else ops_seen[0]
+            self._setting = False
+        op = self.op.value
+        steps = run_analysis.step_table(run, 0)
+        spread = run_analysis.straggler_spread(run)
+        # hold_sync on the figure too: batch_update alone still sends one message per changed property
+        with self.widget.hold_sync(), self.fig.hold_sync(), self.fig.batch_update():
+            for i, cat in enumerate(LEDGER_CATEGORIES):
+                traces[i].y = [ledgers[r][cat] / MIB for r in range(n)]
+            for r in range(n):
+                mem = [m for m in run.memory if m.rank == r]
+                traces[ncat + 3 * r].x = [m.t - t0 for m in mem]
+                traces[ncat + 3 * r].y = [m.rss / MIB for m in mem]
+                loss = [s for s in run.scalars if s.rank == r and "loss" in s.values]
+                traces[ncat + 3 * r + 1].x = [s.step for s in loss]
+                traces[ncat + 3 * r + 1].y = [s.values["loss"] for s in loss]
+                lat = [c for c in run.comms if c.rank == r and c.op == op]
+                traces[ncat + 3 * r + 2].x = [c.t_issue - t0 for c in lat]
+                traces[ncat + 3 * r + 2].y = [c.seconds * 1e3 for c in lat]
+            base = ncat + 3 * n
+            for i, name in enumerate(OPS[:-1]):
+                cs = [c for c in run.comms if c.op == name and c.size_bytes > 0 and c.seconds > 0]
+                traces[base + i].x = [c.size_bytes for c in cs]
+                traces[base + i].y = [c.busbw / 1e9 for c in cs]
+            traces[-2].x = traces[-1].x = [s["step"] for s in steps]
+            traces[-2].y = [s["comm_s"] * 1e3 for s in steps]
+            traces[-1].y = [s["compute_s"] * 1e3 for s in steps]
+            self.fig.layout.annotations[3].text = f"collective latency (ms): {op}"
+            self.status.value = self._status_html(run, spread)
+        self.refreshes += 1
+        return True
+
+    def _status_html(self, run: RunRecords, spread) -> str:
+        n_steps = max((m.step for m in run.steps), default=0)
+        parts = [f"{len(run.comms)} collectives recorded", f"{n_steps} optimizer steps"]
+        if spread:
+            worst = max(spread, key=lambda s: s[2])
+            med = sorted(s[2] for s in spread)[len(spread) // 2]
+            parts.append(f"straggler: ranks entered the same collective up to {worst[2] * 1e3:.1f} ms apart "
+                         f"({worst[1]} #{worst[0]}; median {med * 1e3:.2f} ms)")
+        clocks = sorted({c.clock for c in run.comms})
+        if clocks:
+            parts.append(f"latency clock: {', '.join(clocks)}")
+        return "<span style='font-family:monospace'>" + html.escape(" · ".join(parts)) + "</span>"
+
+    def static(self) -> go.Figure:
+        """A plain Figure with the current data (for a static copy in the notebook)."""
+        return go.Figure(self.fig)
+
+    def close(self) -> None:
+        self.widget.close()
+        self.fig.close()
