@@ -103,8 +103,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
             from .widgets import show_figure
 
             static = dash.static()
-            static.update_layout(title=f"{run.name}: {len(run.comms)} collectives, "
-                                       f"{max((m.step for m in run.steps), default=0)} steps")
+            static.update_layout(title=dict(text=f"{run.name}: {dash.status_text(run)}", font_size=12))
             dash.close()
             show_figure(static)
     if not quiet and finished is not None and finished[0]["summary"]:

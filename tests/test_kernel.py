@@ -131,6 +131,31 @@ display(HTML(f"<b>from rank {rank}</b>"))
     reply, msgs = execute(kc, "%%distributed\nprint(state, rank)")
     assert "before 0" in streams(msgs) and "before 1" in streams(msgs)
 
+    # a strategy cell: live dashboard (a widget updated while the ranks train),
+    # then a static plotly copy, then the one-line summary
+    reply, msgs = execute(kc, """%%distributed ddp
+import time
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+m = TinyTransformer()
+model, optimizer = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+for i, (x, y) in enumerate(strategy.dataloader(SyntheticTokens(64), batch_size=4)):
+    loss = lm_loss(model(x), y)
+    strategy.backward(loss); optimizer.step(); optimizer.zero_grad(); strategy.log(loss=loss)
+    time.sleep(0.3)
+    if i == 7:
+        break
+""")
+    assert reply["status"] == "ok", reply
+    kinds = [(t, m["msg_type"], m["content"]) for t, m in msgs]
+    widget_at = next(t for t, k, c in kinds if k == "display_data"
+                     and "application/vnd.jupyter.widget-view+json" in c["data"])
+    static_at = next(t for t, k, c in kinds if k == "display_data"
+                     and "application/vnd.plotly.v1+json" in c["data"] and "text/html" in c["data"])
+    live_updates = [t for t, k, c in kinds if k == "comm_msg" and widget_at < t < static_at]
+    assert len(live_updates) >= 3, kinds  # the figure changed while the ranks trained
+    assert static_at - widget_at > 1.5
+    assert "ddp: torch.nn.parallel.DistributedDataParallel" in streams(msgs)
+
     # kernel exit stops every engine and the controller
     procs = descendants(kpid)
     assert len(procs) >= 3  # controller + 2 engines (+ nannies)

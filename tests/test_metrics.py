@@ -157,6 +157,8 @@ def test_compare_runs_table(ranks, capsys, tmp_path):
     assert lines[1].split()[:3] == ["ddp", f"{4 * PSI_BYTES / 2**20:.3f}", "x1.00"]
     fsdp = lines[2].split()
     assert fsdp[3:5] == [f"{2 * PSI_BYTES / 2**20:.3f}", "x0.50"]  # half the model state per rank
+    # bus bytes: DDP all-reduce 2(n-1)/n * Psi = Psi; FSDP 2 all-gathers + reduce-scatter of (n-1)/n * Psi
+    assert lines[1].split()[3] == f"{PSI_BYTES / 2**20:.3f}" and fsdp[5:7] == [f"{1.5 * PSI_BYTES / 2**20:.3f}", "x1.50"]
     assert "all_gather" in lines[2] and "reduce_scatter" in lines[2]
     res, out, _ = run(ranks, capsys, "%dist_compare ddp zero2")
     assert "step ms" in out and "final loss" in out

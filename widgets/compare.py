@@ -23,8 +23,8 @@ class Comparison:
     """``%dist_compare`` / ``%%distributed compare``: rows in run order; ratios are to the first run.
 
     Deterministic columns (for a fixed model, data and world size): model-state
-    bytes (the ledger, max over ranks), comm bytes and collectives per step.
-    Times and RSS vary run to run.
+    bytes (the ledger, max over ranks) and communication bytes per step (bus
+    bytes, and S per op). Counts, times and RSS can vary run to run.
     """
 
     def __init__(self, runs: list[RunRecords]):
@@ -34,20 +34,20 @@ class Comparison:
     def _cells(self, deterministic: bool) -> tuple[list[str], list[list[str]]]:
         base = self.rows[0]
         bmax = max(base["model_state_bytes"].values() or [0])
-        bbytes = sum(base["comm_bytes_per_step"].values())
-        cols = ["run", "model state MiB (max rank)", "vs first", "comm MiB/step", "vs first",
-                "collectives/step", "by op (MiB/step)"]
+        bbus = base["bus_bytes_per_step"]
+        cols = ["run", "model state MiB (max rank)", "vs first", "comm bus MiB/step", "vs first",
+                "by op: S MiB/step"]
         if not deterministic:
-            cols += ["peak RSS MiB", "step ms", "vs first", "comm ms/step", "final loss"]
+            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm ms/step", "final loss"]
         out = []
         for row in self.rows:
             ms = max(row["model_state_bytes"].values() or [0])
-            cb = sum(row["comm_bytes_per_step"].values())
-            cells = [row["name"], f"{ms / MIB:.3f}", _ratio(ms, bmax), f"{cb / MIB:.3f}", _ratio(cb, bbytes),
-                     f"{sum(row['collectives_per_step'].values()):g}",
+            bus = row["bus_bytes_per_step"]
+            cells = [row["name"], f"{ms / MIB:.3f}", _ratio(ms, bmax), f"{bus / MIB:.3f}", _ratio(bus, bbus),
                      ", ".join(f"{op} {b / MIB:.3f}" for op, b in row["comm_bytes_per_step"].items()) or "-"]
             if not deterministic:
-                cells += [f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
+                cells += [f"{sum(row['collectives_per_step'].values()):.1f}",
+                          f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
                           _ratio(row["step_s"], base["step_s"]), f"{row['comm_s_per_step'] * 1e3:.1f}",
                           "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"]
             out.append(cells)
@@ -68,8 +68,9 @@ class Comparison:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
         note = ("model state = bytes of parameters, gradients, master copies and optimizer state each rank owns "
-                "(ledger, not RSS); comm = collectives issued per optimizer step (mean of steps 2..N, rank 0); "
-                "ratios are to the first run")
+                "(ledger, not RSS); comm bus bytes = S x the nccl-tests bus factor of each collective issued per "
+                "optimizer step (what each rank sends/receives; mean of steps 2..N, rank 0), S by op as nccl-tests "
+                "defines it; times are wall time on rank 0; ratios are to the first run")
         return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 

@@ -123,6 +123,13 @@ class Dashboard:
         return True
 
     def _status_html(self, run: RunRecords, spread) -> str:
+        return "<span style='font-family:monospace'>" + html.escape(self.status_text(run, spread)) + "</span>"
+
+    @staticmethod
+    def status_text(run: RunRecords, spread=None) -> str:
+        """One line: counts, the straggler spread, and which clock timed the collectives."""
+        if spread is None:
+            spread = run_analysis.straggler_spread(run)
         n_steps = max((m.step for m in run.steps), default=0)
         parts = [f"{len(run.comms)} collectives recorded", f"{n_steps} optimizer steps"]
         if spread:
@@ -133,7 +140,7 @@ class Dashboard:
         clocks = sorted({c.clock for c in run.comms})
         if clocks:
             parts.append(f"latency clock: {', '.join(clocks)}")
-        return "<span style='font-family:monospace'>" + html.escape(" · ".join(parts)) + "</span>"
+        return " · ".join(parts)
 
     def static(self) -> go.Figure:
         """A plain Figure with the current data (for a static copy in the notebook)."""
