@@ -289,6 +289,57 @@ class NbtoolMagics(Magics):
         ranks = parse_ranks(ranks_spec, cluster.world_size)
         session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet)
 
+    # -- %commbench -----------------------------------------------------------
+    @magic_arguments()
+    @argument("ops", nargs="*", help="all_reduce (default), all_gather, reduce_scatter, broadcast, all_to_all")
+    @argument("--sizes", default="4B:64MB", help="MIN:MAX (or one size), units B/KB/MB/GB (binary), default 4B:64MB")
+    @argument("--factor", type=positive_number, default=2.0, help="size step factor (default 2)")
+    @argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
+    @argument("--iters", type=positive_int, default=20, help="timed calls per size (default 20)")
+    @argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
+    @argument("--ranks", default=None, help="benchmark a subset of ranks, e.g. 0,1 (default: all)")
+    @argument("--inplace", action="store_true",
+              help="all_gather / reduce_scatter in place (all_reduce and broadcast always are)")
+    @argument("--label", default="", help="name for this result in tables and overlaid plots")
+    @line_magic
+    def commbench(self, line=""):
+        """Measure collective latency and bandwidth on the running cluster, like nccl-tests.
+
+        ``res = %commbench all_reduce all_gather --sizes 1KB:64MB``. For each op
+        and size: warm-up calls, then ``--iters`` calls timed as a batch; the
+        time is the slowest rank's mean per call; algbw = S/t, busbw = algbw x
+        the nccl-tests factor; every result is checked (#wrong). Returns a
+        CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
+        to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
+        """
+        from . import session
+        from .commbench import BENCH_OPS, DTYPES, size_sweep
+
+        args = parse_argstring(self.commbench, line)
+        ops = [o for part in args.ops for o in part.split(",") if o] or ["all_reduce"]
+        for op in ops:
+            if op not in BENCH_OPS:
+                raise UsageError(f"unknown op {op!r}; allowed: {', '.join(BENCH_OPS)}")
+        if len(set(ops)) != len(ops):
+            raise UsageError(f"op listed twice in {' '.join(ops)!r}")
+        if args.dtype not in DTYPES:
+            raise UsageError(f"--dtype {args.dtype!r} is not known; allowed: {', '.join(DTYPES)}")
+        if args.warmup < 0:
+            raise UsageError(f"--warmup {args.warmup}: must be >= 0")
+        try:
+            sizes = size_sweep(args.sizes, args.factor)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if len(sizes) > 64:
+            raise UsageError(f"--sizes {args.sizes} with --factor {args.factor:g} gives {len(sizes)} sizes; "
+                             "use a larger --factor or a narrower range (at most 64)")
+        cluster = self._require_cluster()
+        ranks = parse_ranks(args.ranks, cluster.world_size)
+        if len(ranks) < 2:
+            raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
+        return session.commbench(cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
+                                 args.inplace, self.in_kernel, label=args.label)
+
     # -- %dist_push / %dist_pull -----------------------------------------
     @magic_arguments()
     @argument("names", nargs="+", help="kernel variables to copy to the ranks")

@@ -196,6 +196,56 @@ def export_run(path: str, name: str | None) -> str:
     return f"wrote {len(run.comms)} collectives, {len(run.memory)} memory samples, {len(run.steps)} steps of run {run.name!r} to {path}"
 
 
+def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int,
+              ranks: list[int], inplace: bool, in_kernel: bool, label: str = ""):
+    """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook)."""
+    from .commbench import DTYPES, CommbenchResult, element_count
+    from .rank import commbench as rank_bench
+
+    everyone = list(range(cluster.world_size))
+    _check_alive(cluster, everyone)
+    n = len(ranks)
+    counts = {op: sorted({element_count(op, s, n, DTYPES[dtype]) for s in sizes}) for op in ops}
+    plot = None
+    if in_kernel:
+        from IPython.display import display
+
+        from .widgets.commbench_view import SweepPlot
+
+        plot = SweepPlot(ops)
+        display(plot.fig)
+    # every rank takes part: creating the sub-group (if any) is collective over the world
+    ar = cluster.view(everyone).apply_async(rank_bench.run_sweep, ops, counts, dtype, iters, warmup,
+                                            tuple(ranks), inplace, plot is not None)
+    seen: dict = {}
+    try:
+        while not ar.wait(0.1):
+            if plot is None:
+                continue
+            for f in ar._children:
+                for key, row in (f.output.metadata.get("data") or {}).items():
+                    if key.startswith("nbtool-commbench:") and key not in seen:
+                        seen[key] = row
+            if seen:
+                plot.show_rows(list(seen.values()), n)
+    except KeyboardInterrupt:
+        cluster.signal(everyone, "SIGINT")
+        ar.wait(5)
+        raise
+    per_rank = ar.get()
+    result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
+                                            dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
+    if plot is not None:
+        from .widgets import show_figure
+
+        plot.close()
+        show_figure(result.figure())
+    if result.wrong:
+        print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
+              "for the sizes marked in the #wrong column", file=sys.stderr)
+    return result
+
+
 def push(cluster: RankCluster, values: dict, ranks: list[int]) -> None:
     _check_alive(cluster, ranks)
     cluster.view(ranks).push(values, block=True)

@@ -1,0 +1,199 @@
+"""``%commbench`` results (kernel side, pure Python): sizes, the table, the alpha-beta fit.
+
+Per op and size, the reported time is nccl-tests': the mean time per call
+(timed as one batch of ``iters`` calls) of the slowest rank; min / median /
+max across ranks are kept too. algbw = S / t and busbw = algbw x the op's
+bus factor (nbtool.collectives, which also defines S per op). ``wrong`` counts
+result elements that differ from the expected values on any rank.
+
+The alpha-beta (latency-bandwidth) model is t(S) = alpha + f(op, n) * S / B,
+with B a bus bandwidth; it is fitted by least squares on relative error
+(each point weighted by 1 / t^2) so small and large messages count alike.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+
+from .collectives import bandwidths, bus_factor
+
+BENCH_OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "all_to_all")
+DTYPES = {"float32": 4, "bfloat16": 2, "float16": 2}
+_UNITS = {"": 1, "b": 1, "k": 2**10, "kb": 2**10, "kib": 2**10, "m": 2**20, "mb": 2**20, "mib": 2**20,
+          "g": 2**30, "gb": 2**30, "gib": 2**30}
+
+
+def parse_size(text: str) -> int:
+    """'4B', '64K', '1MB', '256MiB' -> bytes (binary units, as nccl-tests' -b/-e)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"size {text!r} is not a number with an optional unit (B, KB, MB, GB)")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def size_sweep(spec: str, factor: float) -> list[int]:
+    """'4B:256MB' with factor 2 -> [4, 8, ..., 256 MiB] (a single size is allowed)."""
+    lo_text, _, hi_text = spec.partition(":")
+    lo = parse_size(lo_text)
+    hi = parse_size(hi_text) if hi_text else lo
+    if lo <= 0:
+        raise ValueError(f"--sizes {spec!r}: the smallest size must be > 0")
+    if lo > hi:
+        raise ValueError(f"--sizes {spec!r}: min {lo} B > max {hi} B")
+    if factor <= 1 and lo != hi:
+        raise ValueError(f"--factor {factor:g} must be > 1 to sweep from {lo} B to {hi} B")
+    sizes, s = [], float(lo)
+    while s <= hi * (1 + 1e-9):
+        sizes.append(int(round(s)))
+        s *= factor if factor > 1 else 2
+    return sorted(set(sizes))
+
+
+def element_count(op: str, size_bytes: int, n: int, elem: int) -> int:
+    """Elements for S ~ size_bytes: at least one per rank, and divisible by n where the op splits."""
+    count = max(1, size_bytes // elem)
+    if op in ("all_gather", "reduce_scatter", "all_to_all"):
+        count = max(n, count // n * n)
+    return count
+
+
+@dataclass
+class Fit:
+    alpha_s: float  # latency
+    bus_bandwidth: float  # B in bytes/s
+    r2: float  # on relative residuals: 1 - sum(r^2) / sum((t/mean - 1)^2) of the weighted problem
+    max_rel_err: float
+    points: int
+
+
+def fit_alpha_beta(op: str, n: int, sizes: list[int], seconds: list[float]) -> Fit:
+    """Fit t = alpha + f(op, n) * S / B by weighted least squares (weights 1/t^2)."""
+    f = bus_factor(op, n)
+    xs = [f * s for s in sizes]
+    # minimise sum(((alpha + beta x) - t)^2 / t^2): linear least squares on rows (1/t, x/t) -> 1
+    a11 = sum(1 / t**2 for t in seconds)
+    a12 = sum(x / t**2 for x, t in zip(xs, seconds))
+    a22 = sum(x * x / t**2 for x, t in zip(xs, seconds))
+    b1 = sum(1 / t for t in seconds)
+    b2 = sum(x / t for x, t in zip(xs, seconds))
+    det = a11 * a22 - a12 * a12
+    if len(sizes) < 2 or det == 0:
+        raise ValueError("an alpha-beta fit needs at least two different sizes")
+    alpha = (b1 * a22 - b2 * a12) / det
+    beta = (a11 * b2 - a12 * b1) / det
+    rel = [(alpha + beta * x - t) / t for x, t in zip(xs, seconds)]
+    ss_res = sum(r * r for r in rel)
+    mean_t = sum(seconds) / len(seconds)
+    ss_tot = sum((t / mean_t - 1) ** 2 for t in seconds) or 1e-30
+    return Fit(alpha, 1 / beta if beta > 0 else math.inf, 1 - ss_res / ss_tot, max(abs(r) for r in rel), len(sizes))
+
+
+@dataclass
+class CommbenchResult:
+    backend: str
+    ranks: list
+    dtype: str
+    iters: int
+    warmup: int
+    inplace: bool
+    label: str = ""
+    rows: list = field(default_factory=list)  # one dict per (op, size)
+    fits: dict = field(default_factory=dict)  # op -> Fit
+
+    @classmethod
+    def from_rank_rows(cls, per_rank: list[list[dict]], **meta) -> "CommbenchResult":
+        res = cls(**meta)
+        n = len(res.ranks)
+        by_key: dict = {}
+        for rows in per_rank:
+            for r in rows:
+                by_key.setdefault((r["op"], r["count"]), []).append(r)
+        for (op, count), rs in sorted(by_key.items(), key=lambda kv: (BENCH_OPS.index(kv[0][0]), kv[0][1])):
+            times = sorted(r["seconds"] for r in rs)
+            t = times[-1]  # the slowest rank, as nccl-tests reports
+            alg, bus = bandwidths(op, rs[0]["size_bytes"], n, t)
+            res.rows.append({"op": op, "size_bytes": rs[0]["size_bytes"], "count": count, "dtype": res.dtype,
+                             "seconds": t, "min_s": times[0], "median_s": times[len(times) // 2], "max_s": t,
+                             "algbw": alg, "busbw": bus, "wrong": sum(r["wrong"] for r in rs),
+                             "clock": rs[0]["clock"]})
+        for op in {r["op"] for r in res.rows}:
+            pts = [r for r in res.rows if r["op"] == op]
+            if len({r["size_bytes"] for r in pts}) >= 2:
+                res.fits[op] = fit_alpha_beta(op, n, [r["size_bytes"] for r in pts], [r["seconds"] for r in pts])
+        return res
+
+    @property
+    def wrong(self) -> int:
+        return sum(r["wrong"] for r in self.rows)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["fits"] = {op: asdict(f) for op, f in self.fits.items()}
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "CommbenchResult":
+        d = dict(d)
+        fits = {op: Fit(**f) for op, f in d.pop("fits", {}).items()}
+        return cls(**d, fits=fits)
+
+    def export(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump(self.to_dict(), f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CommbenchResult":
+        with open(path) as f:
+            return cls.from_dict(json.load(f))
+
+    def text(self, deterministic: bool = False) -> str:
+        """nccl-tests-style columns; ``deterministic`` keeps only size, count, type, factor and #wrong."""
+        n = len(self.ranks)
+        head = f"{'op':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'busfactor':>9}"
+        if not deterministic:
+            head += f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'min/med/max(us) across ranks':>30}"
+        head += f" {'#wrong':>6}"
+        lines = [f"# {self.label or 'commbench'}: {self.backend}, ranks {self.ranks}, {self.dtype}, "
+                 f"{self.iters} iters after {self.warmup} warm-up, {'in-place' if self.inplace else 'out-of-place'}",
+                 head]
+        for r in self.rows:
+            line = (f"{r['op']:>14} {r['size_bytes']:>11} {r['count']:>10} {r['dtype']:>8} "
+                    f"{bus_factor(r['op'], n):>9.3f}")
+            if not deterministic:
+                mmm = f"{r['min_s'] * 1e6:.1f}/{r['median_s'] * 1e6:.1f}/{r['max_s'] * 1e6:.1f}"
+                line += (f" {r['seconds'] * 1e6:>10.1f} {r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f} "
+                         f"{mmm:>30}")
+            lines.append(line + f" {r['wrong']:>6}")
+        if not deterministic:
+            for op, fit in sorted(self.fits.items()):
+                lines.append(f"# fit {op}: t = {fit.alpha_s * 1e6:.1f} us + S x {bus_factor(op, n):.3f} / "
+                             f"{fit.bus_bandwidth / 1e9:.3f} GB/s  (R2 {fit.r2:.3f}, max rel. error "
+                             f"{fit.max_rel_err:.0%}, {fit.points} sizes)")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def figure(self, *others: "CommbenchResult"):
+        """Latency (log-log) and busbw vs size; pass other results to overlay them."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call (us)", "bus bandwidth (GB/s)"))
+        for res in (self, *others):
+            for op in BENCH_OPS:
+                pts = [r for r in res.rows if r["op"] == op]
+                if not pts:
+                    continue
+                name = f"{res.label or res.backend} {op}"
+                xs = [r["size_bytes"] for r in pts]
+                fig.add_trace(go.Scatter(x=xs, y=[r["seconds"] * 1e6 for r in pts], mode="lines+markers",
+                                         name=name, legendgroup=name), 1, 1)
+                fig.add_trace(go.Scatter(x=xs, y=[r["busbw"] / 1e9 for r in pts], mode="lines+markers",
+                                         name=name, legendgroup=name, showlegend=False), 1, 2)
+        fig.update_xaxes(type="log", title_text="S (bytes)")
+        fig.update_yaxes(type="log", row=1, col=1)
+        fig.update_layout(height=380, margin=dict(t=40, l=40, r=20, b=40))
+        return fig

@@ -1,0 +1,109 @@
+"""%commbench on 2 real gloo ranks, and its pure parts (sizes, factors, the alpha-beta fit)."""
+from __future__ import annotations
+
+import pytest
+from IPython.core.error import UsageError
+
+from nbtool.collectives import bus_factor
+from nbtool.commbench import BENCH_OPS, CommbenchResult, fit_alpha_beta, parse_size, size_sweep
+
+
+@pytest.mark.parametrize("op,n,factor", [
+    ("all_reduce", 2, 1.0), ("all_reduce", 4, 1.5), ("all_reduce", 8, 1.75),
+    ("all_gather", 2, 0.5), ("all_gather", 4, 0.75), ("reduce_scatter", 8, 0.875),
+    ("all_to_all", 4, 0.75), ("broadcast", 8, 1.0), ("reduce", 4, 1.0), ("send", 2, 1.0),
+])
+def test_bus_factors_follow_nccl_tests(op, n, factor):
+    assert bus_factor(op, n) == pytest.approx(factor)
+
+
+def test_sizes():
+    assert parse_size("4B") == 4 and parse_size("64K") == 65536 and parse_size("1.5MiB") == 3 * 2**19
+    assert size_sweep("4B:64B", 2) == [4, 8, 16, 32, 64]
+    assert size_sweep("1MB", 2) == [2**20]
+    assert size_sweep("1KB:1MB", 32) == [1024, 32768, 1048576]
+    for spec, factor, fragment in [("4Q", 2, "is not a number with an optional unit"),
+                                   ("1MB:4B", 2, "min 1048576 B > max 4 B"),
+                                   ("0:4B", 2, "the smallest size must be > 0"),
+                                   ("4B:64B", 1, "--factor 1 must be > 1")]:
+        with pytest.raises(ValueError, match=fragment):
+            size_sweep(spec, factor)
+
+
+@pytest.mark.parametrize("op,n", [("all_reduce", 2), ("all_gather", 4)])
+def test_alpha_beta_fit_recovers_known_parameters(op, n):
+    alpha, bw = 25e-6, 3.2e9
+    sizes = [2**k for k in range(4, 28, 2)]
+    times = [alpha + bus_factor(op, n) * s / bw for s in sizes]
+    fit = fit_alpha_beta(op, n, sizes, times)
+    assert fit.alpha_s == pytest.approx(alpha, rel=1e-6)
+    assert fit.bus_bandwidth == pytest.approx(bw, rel=1e-6)
+    assert fit.r2 == pytest.approx(1.0) and fit.max_rel_err < 1e-9
+    noisy = [t * (1.05 if i % 2 else 0.95) for i, t in enumerate(times)]  # +-5% noise
+    rough = fit_alpha_beta(op, n, sizes, noisy)
+    assert rough.alpha_s == pytest.approx(alpha, rel=0.1) and rough.bus_bandwidth == pytest.approx(bw, rel=0.1)
+    assert 0.9 < rough.r2 < 1.0
+
+
+def test_every_op_gives_correct_values(ip, cluster, capsys):
+    res = ip.run_line_magic("commbench", "all_reduce all_gather reduce_scatter broadcast all_to_all "
+                                         "--sizes 8B:1MB --factor 16 --iters 3 --warmup 1")
+    assert isinstance(res, CommbenchResult)
+    assert {r["op"] for r in res.rows} == set(BENCH_OPS)
+    assert res.wrong == 0 and all(r["wrong"] == 0 for r in res.rows)
+    assert res.backend == "gloo" and res.ranks == [0, 1]
+    for r in res.rows:
+        assert r["min_s"] <= r["median_s"] <= r["max_s"] == r["seconds"] > 0
+        assert r["busbw"] == pytest.approx(r["algbw"] * bus_factor(r["op"], 2))
+        assert r["algbw"] == pytest.approx(r["size_bytes"] / r["seconds"])
+        assert r["clock"] == "wall"
+    sizes = sorted({r["size_bytes"] for r in res.rows if r["op"] == "all_reduce"})
+    assert sizes == [8, 128, 2048, 32768, 524288]
+    assert set(res.fits) == set(BENCH_OPS)
+    text = res.text(deterministic=True)
+    assert "busfactor" in text and "#wrong" in text and "time(us)" not in text
+
+
+def test_inplace_bfloat16_and_subset(ip, cluster):
+    res = ip.run_line_magic("commbench", "all_gather,reduce_scatter --sizes 1KB:64KB --factor 8 --iters 2 "
+                                         "--inplace --dtype bfloat16 --ranks 0,1")
+    assert res.inplace and res.dtype == "bfloat16" and res.wrong == 0
+    assert all(r["size_bytes"] % (2 * 2) == 0 for r in res.rows)  # bf16 elements, divisible by n
+
+
+def test_export_and_overlay(ip, cluster, tmp_path):
+    a = ip.run_line_magic("commbench", "--sizes 1KB:1MB --factor 32 --iters 2 --label first")
+    path = tmp_path / "bench.json"
+    a.export(str(path))
+    back = CommbenchResult.load(str(path))
+    assert back.rows == a.rows and back.fits == a.fits and back.label == "first"
+    b = ip.run_line_magic("commbench", "--sizes 1KB:1MB --factor 32 --iters 2 --label second")
+    fig = a.figure(b)
+    assert {t.name for t in fig.data} == {"first all_reduce", "second all_reduce"}
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ("all_sum", "unknown op 'all_sum'; allowed: all_reduce, all_gather"),
+    ("--sizes 4Q", "size '4Q' is not a number with an optional unit"),
+    ("--sizes 1MB:4B", "min 1048576 B > max 4 B"),
+    ("--dtype int8", "--dtype 'int8' is not known; allowed: float32, bfloat16, float16"),
+    ("--iters 0", "value '0' is not valid; expected an integer >= 1"),
+    ("--ranks 0", "needs at least 2 ranks"),
+    ("--ranks 0,5", "rank 5 does not exist"),
+    ("--sizes 1B:1GB --factor 1.01", "use a larger --factor or a narrower range"),
+    ("all_reduce all_reduce", "op listed twice"),
+])
+def test_commbench_refuses_nonsense(ip, cluster, line, fragment):
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("commbench", line)
+    assert fragment in str(info.value)
+
+
+def test_commbench_needs_a_cluster():
+    from IPython.testing.globalipapp import start_ipython
+
+    from nbtool.magics import NbtoolMagics
+
+    magics = NbtoolMagics(start_ipython())  # a second, cluster-less instance
+    with pytest.raises(UsageError, match="no cluster is running"):
+        magics.commbench("--sizes 4B")
