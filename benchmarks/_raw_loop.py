@@ -49,6 +49,7 @@ def main():
         loss = lm_loss(model(x), y)
         backward(loss)
         step()
+        loss.item()  # as strategy.log(loss=loss) does in the nbtool cell
         times.append(time.perf_counter() - t0)
         if i + 1 == warmup + steps:
             break

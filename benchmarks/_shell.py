@@ -10,3 +10,36 @@ def shell():
 
 def nbtool_cluster(ip):
     return ip.magics_manager.registry["NbtoolMagics"].rank_cluster
+
+
+# The training cell both overhead benchmarks time (3.4M parameters; the same
+# model, data and loop as _raw_loop.py). Per-step wall times of rank 0 end up
+# in ``times`` on the ranks.
+TRAIN_CELL = """%%distributed {line} --quiet
+import time
+from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = strategy.prepare(model, optimizer)
+data = SyntheticTokens(samples=4096, seq=32, vocab=256)
+times = []
+for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=8, shuffle=False)):
+    t0 = time.perf_counter()
+    loss = lm_loss(model(x), y)
+    strategy.backward(loss)
+    optimizer.step(); optimizer.zero_grad()
+    strategy.log(loss=loss)
+    times.append(time.perf_counter() - t0)
+    if i + 1 == {warmup} + {steps}:
+        break
+times = times[{warmup}:]
+"""
+
+
+def median_step(ip, line: str, steps: int, warmup: int) -> float:
+    """Run TRAIN_CELL under ``%%distributed {line}``; rank 0's median step time in seconds."""
+    import statistics
+
+    ip.run_cell(TRAIN_CELL.format(line=line, steps=steps, warmup=warmup)).raise_error()
+    ip.run_line_magic("dist_pull", "times --rank 0")
+    return statistics.median(ip.user_ns["times"])

@@ -19,29 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _shell import shell
+from _shell import median_step, shell
 
 HERE = Path(__file__).resolve().parent
-
-CELL = """%%distributed {name} --quiet
-import time
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
-model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
-optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, optimizer = strategy.prepare(model, optimizer)
-data = SyntheticTokens(samples=4096, seq=32, vocab=256)
-times = []
-for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=8, shuffle=False)):
-    t0 = time.perf_counter()
-    loss = lm_loss(model(x), y)
-    strategy.backward(loss)
-    optimizer.step(); optimizer.zero_grad()
-    times.append(time.perf_counter() - t0)
-    if i + 1 == {warmup} + {steps}:
-        break
-times = times[{warmup}:]
-"""
-
 
 def raw(name: str, steps: int, warmup: int) -> list[float]:
     from nbtool.cluster import free_port
@@ -67,9 +47,7 @@ def main() -> None:
         nb, hand = [], []
         for _ in range(a.rounds):
             hand.append(statistics.median(raw(name, a.steps, a.warmup)))
-            ip.run_cell(CELL.format(name=name, steps=a.steps, warmup=a.warmup)).raise_error()
-            ip.run_line_magic("dist_pull", "times --rank 0")
-            nb.append(statistics.median(ip.user_ns["times"]))
+            nb.append(median_step(ip, name, a.steps, a.warmup))
         nb_s, hand_s = statistics.median(nb), statistics.median(hand)
         ratios[name] = nb_s / hand_s
         print(f"{name:6} per-step median: nbtool {nb_s * 1e3:7.2f} ms   torchrun {hand_s * 1e3:7.2f} ms   "
