@@ -1,0 +1,245 @@
+"""Per-device memory, communication and a step-time estimate for one layout.
+
+Sources, per figure:
+
+- model states: for DDP and FSDP, what nbtool's strategies hold
+  (``expected_ledger``: fp32 weights, gradients and Adam state, sharded by
+  FSDP; bf16 compute via autocast / MixedPrecisionPolicy); DDP adds its
+  gradient buckets (a second copy of the gradients unless
+  ``--grad-as-bucket-view``); FSDP holds gathered bf16 units as buffers
+  (2 units: the current one and the prefetched one; all of them between
+  forward and backward without resharding). For ZeRO in mixed precision,
+  DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
+  ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
+  (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
+  gradients, fp32 master weights, Adam moments), stage 3 plus one largest
+  layer in fp32; with offload the partitioned states move to the host
+  (x 1.5 buffer factor, as DeepSpeed estimates). ZeRO-1 keeps the full
+  16-bit gradients: 4 Psi + 16 Psi / N.
+- activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models", table 2), bytes per layer with 16-bit
+  activations: s b h (34 + 5 a s / h) without tensor parallelism;
+  s b h (10 + 24/t + 5 a s / (h t)) with t-way tensor parallelism;
+  s b h (34 + 5 a s / h) / t with sequence parallelism too; selective
+  recomputation drops the 5 a s / h term; full recomputation keeps only each
+  layer's input, 2 s b h (/ t with SP). 1F1B pipelines hold p micro-batches
+  of L/p layers on the first stage, i.e. L layers' worth. The LM head adds
+  s b V x 6 bytes (bf16 logits and fp32 loss); fp32 training doubles
+  activations.
+- communication per optimizer step, in bus bytes (S x nccl-tests factor):
+  DDP all-reduce 2 (n-1)/n Psi g; ZeRO-1/2 and FSDP without resharding
+  reduce-scatter gradients and all-gather parameters, 2 (n-1)/n Psi; ZeRO-3
+  and FSDP all-gather twice, 3 (n-1)/n Psi (ZeRO paper section 7); tensor
+  parallelism 4 all-reduces of s b h per layer per micro-batch (Megatron);
+  pipelines 2 sends of s b h per micro-batch per stage boundary.
+- time: compute = 6 Psi tokens (x 4/3 with full recomputation) / (peak
+  FLOPs x 40% utilisation); data-parallel communication overlaps backward
+  (2/3 of compute) and only the excess is exposed; tensor-parallel and
+  pipeline communication, pipeline bubbles ((p-1)/(m+p-1)) and offload
+  transfers (device <-> host) are not hidden. Each collective costs
+  alpha + bus bytes / B from the hardware (or ``%commbench``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from .inputs import Hardware, ModelShape, Training
+from .model_states import expected_ledger
+
+MFU = 0.4
+RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
+DDP_BUCKET = 25 * 2**20
+
+DP_LAYOUTS = ("ddp", "fsdp-grad-op", "zero2", "zero1", "fsdp", "zero3",
+              "zero2-offload", "zero3-offload-optimizer", "zero3-offload")
+#: simplest first: ties (within 10% of the best step time) go to the earlier one
+PREFERENCE = DP_LAYOUTS[:6] + ("tp", "pp", "tp-pp") + DP_LAYOUTS[6:]
+
+
+@dataclass
+class Estimate:
+    layout: str
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    device: dict = field(default_factory=dict)  # category -> bytes per device
+    host: float = 0.0  # bytes per node
+    comm_bus_bytes: float = 0.0
+    comm_s: float = 0.0
+    exposed_comm_s: float = 0.0
+    compute_s: float = 0.0
+    bubble_s: float = 0.0
+    offload_s: float = 0.0
+    capacity: float = 0.0
+    host_capacity: float = 0.0
+    micro_batch: int = 1
+    micro_batches: int = 1
+    notes: list = field(default_factory=list)
+
+    @property
+    def device_total(self) -> float:
+        return sum(self.device.values())
+
+    @property
+    def fits(self) -> bool:
+        return self.device_total <= (1 - RESERVE) * self.capacity and self.host <= self.host_capacity
+
+    @property
+    def headroom(self) -> float:
+        """Free fraction of device memory left by the estimate."""
+        return 1 - self.device_total / self.capacity
+
+    @property
+    def step_s(self) -> float:
+        return self.compute_s + self.exposed_comm_s + self.bubble_s + self.offload_s
+
+    @property
+    def samples(self) -> int:
+        """Samples per optimizer step over the whole machine (data-parallel replicas x micro-batches)."""
+        return self.dp * self.micro_batches * self.micro_batch
+
+    @property
+    def time_per_sample(self) -> float:
+        return self.step_s / self.samples
+
+    @property
+    def magic_line(self) -> str:
+        """The %%distributed line that runs this layout with nbtool (tp/pp: issue 7's syntax)."""
+        return {
+            "ddp": "ddp", "fsdp": "fsdp", "fsdp-grad-op": "fsdp --no-reshard-after-forward",
+            "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "zero2-offload": "zero2 --offload optimizer",
+            "zero3-offload-optimizer": "zero3 --offload optimizer", "zero3-offload": "zero3 --offload both",
+        }.get(self.layout, f"fsdp --dp {self.dp} --tp {self.tp} --pp {self.pp}")
+
+
+def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool) -> float:
+    s, b, h, a = (t.seq or m.seq), t.micro_batch, m.hidden, m.heads
+    if t.checkpointing == "full":
+        out = 2 * s * b * h / (tp if sp else 1)
+    elif sp:
+        out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h)) / tp
+    elif tp > 1:
+        out = s * b * h * (10 + 24 / tp + (0 if t.checkpointing == "selective" else 5 * a * s / (h * tp)))
+    else:
+        out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h))
+    return out * (2 if t.precision == "fp32" else 1)
+
+
+def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool = True) -> float:
+    """Peak activation bytes on the busiest device (see the module docstring)."""
+    if not (m.layers and m.hidden and m.heads and (t.seq or m.seq)):
+        return 0.0
+    per_layer = _act_per_layer(m, t, tp, sp and tp > 1)
+    head = (t.seq or m.seq) * t.micro_batch * (m.vocab or 0) * 6 / tp
+    return m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
+
+
+def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> float:
+    alpha, bw = hw.bandwidth(group)
+    return count * alpha + bus_bytes / bw
+
+
+def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1) -> Estimate:
+    n = hw.devices // (tp * pp)
+    e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
+                 micro_batch=t.micro_batch, micro_batches=t.grad_accum)
+    psi = m.params
+    mixed = t.precision in ("bf16", "fp16")
+    adam = t.optimizer in ("adam", "adamw")
+    numels = list(m.numels) or [psi]
+    largest = m.largest_layer or 0
+    frac = (n - 1) / n if n > 1 else 0.0
+    act = activations(m, t, tp, pp)
+    e.device["activations"] = act
+    tokens = t.micro_batch * (t.seq or m.seq or 1) * t.grad_accum
+    flops = 6 * psi * tokens * (4 / 3 if t.checkpointing == "full" else 1)
+    # one replica's work, split over its tp * pp devices
+    e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
+    collectives = 0.0
+
+    if layout in ("tp", "pp", "tp-pp"):
+        shard = psi / (tp * pp)
+        e.device.update(params=4 * shard, grads=4 * shard, optimizer=(8 if adam else 0) * shard)
+        bus_dp = 2 * frac * shard * 4
+        if tp > 1:
+            s, b, h = (t.seq or m.seq), t.micro_batch, m.hidden
+            layers_here = (m.layers or 1) / pp
+            bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * 2 * t.grad_accum
+            e.comm_s += _collective_s(hw, tp, 4 * layers_here * t.grad_accum, bus_tp)
+            e.comm_bus_bytes += bus_tp
+            e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
+        if pp > 1:
+            s, b, h = (t.seq or m.seq), t.micro_batch, m.hidden
+            micro = t.grad_accum
+            p2p = 2 * micro * s * b * h * 2
+            e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
+            e.comm_bus_bytes += p2p
+            e.bubble_s = e.compute_s * (pp - 1) / (micro + pp - 1)
+            e.notes.append(f"pipeline {pp}: bubble (p-1)/(m+p-1) = {(pp - 1) / (micro + pp - 1):.0%} "
+                           f"with m={micro} micro-batches (raise --grad-accum to shrink it)")
+        exposed = e.comm_s
+        dp_s = _collective_s(hw, n * tp * pp, 1, bus_dp) if n > 1 else 0.0
+        e.comm_bus_bytes += bus_dp
+        e.comm_s += dp_s
+        e.exposed_comm_s = exposed + max(0.0, dp_s - 2 / 3 * e.compute_s)
+        return e
+
+    g = 4 if layout in ("ddp", "fsdp", "fsdp-grad-op") or not mixed else 2  # reduction dtype bytes
+    ledger_based = layout in ("ddp", "fsdp", "fsdp-grad-op") or not (mixed and adam)
+    if ledger_based:
+        name = {"fsdp-grad-op": "fsdp", "zero2-offload": "zero2", "zero3-offload-optimizer": "zero3",
+                "zero3-offload": "zero3"}.get(layout, layout)
+        led = expected_ledger(name, t.precision, numels, n, optimizer="adam" if adam else "sgd")
+        e.device.update(params=led["params"], grads=led["grads"],
+                        optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
+        if layout.startswith("zero") and "offload" in layout:
+            e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
+    if layout == "ddp":
+        e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
+        bus = 2 * frac * psi * g
+        collectives = math.ceil(psi * g / DDP_BUCKET)
+    elif layout in ("fsdp", "fsdp-grad-op"):
+        w = 2 if mixed else 4
+        unit = largest if not m.layers else max(largest, 12 * (m.hidden or 0) ** 2)
+        if layout == "fsdp-grad-op":
+            e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
+            bus = frac * psi * (w + g)
+            collectives = 2 * (m.layers or 1)
+        else:
+            e.device["buffers"] = 2 * w * unit
+            bus = frac * psi * (2 * w + g)
+            collectives = 3 * (m.layers or 1)
+    else:  # DeepSpeed ZeRO
+        stage = int(layout[4])
+        if not ledger_based:
+            if stage == 1:
+                e.device.update(params=2 * psi, grads=2 * psi + 4 * psi / n, optimizer=12 * psi / n)
+            elif stage == 2 and layout == "zero2":
+                e.device.update(params=2 * psi, grads=6 * psi / n, optimizer=12 * psi / n)
+            elif layout == "zero2-offload":
+                e.device.update(params=2 * psi)
+                # DeepSpeed's estimator: 4 bytes per parameter per process (the fp32 copy at
+                # start-up) or the 16-byte states, whichever is larger, x 1.5 buffer factor
+                e.host = psi * max(4 * hw.devices, 16) * 1.5
+            elif layout == "zero3":
+                e.device.update(params=2 * psi / n, grads=4 * psi / n, optimizer=12 * psi / n, buffers=4 * largest)
+            elif layout == "zero3-offload-optimizer":
+                e.device.update(params=2 * psi / n, buffers=4 * largest)
+                e.host = psi * 16 * 1.5 / hw.nodes
+            elif layout == "zero3-offload":
+                e.device.update(buffers=4 * largest)
+                e.host = psi * 18 * 1.5 / hw.nodes
+        w = 2 if mixed else 4
+        bus = frac * psi * (w + g) if stage < 3 else frac * psi * (2 * w + g)
+        collectives = 2 if stage < 3 else 3 * (m.layers or 1)
+        if "offload" in layout:
+            moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device
+            if layout == "zero3-offload":
+                moved += 2 * 2 * psi / n  # parameters fetched from the host for forward and backward
+            e.offload_s = moved / hw.host_link_bw
+            e.notes.append(f"offload moves {moved / 1e9:.1f} GB per device per step over the host link")
+    e.comm_bus_bytes = bus
+    e.comm_s = _collective_s(hw, n, collectives, bus) if n > 1 else 0.0
+    e.exposed_comm_s = max(0.0, e.comm_s - 2 / 3 * e.compute_s)
+    return e

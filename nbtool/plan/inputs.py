@@ -1,0 +1,142 @@
+"""What the planner is told: the model's shape, the training setup, the hardware.
+
+Pure Python. Bandwidth defaults are bus bandwidths as nccl-tests reports them
+(busbw of a large all_reduce), so they plug into the alpha-beta model
+t = alpha + factor * S / B; measured numbers from ``%commbench`` replace them
+via ``Hardware.with_commbench``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A model as the planner sees it.
+
+    ``params`` always; the transformer shape (layers, hidden, heads, vocab,
+    seq) when known, for activations and tensor/pipeline layouts;
+    ``largest_layer`` (parameters of the biggest single module) for gather
+    buffers; ``numels`` (every parameter tensor's size) when counted from a
+    module, which makes the ZeRO-3 partition and padding figures exact.
+    """
+
+    params: int
+    layers: int | None = None
+    hidden: int | None = None
+    heads: int | None = None
+    vocab: int | None = None
+    seq: int | None = None
+    largest_layer: int | None = None
+    numels: tuple = field(default=(), compare=False)
+    name: str = ""
+
+    @classmethod
+    def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
+        """GPT-style decoder: 12 L h^2 + 13 L h + (V + s) h parameters (Narayanan et al. 2021, eq. 2)."""
+        params = 12 * layers * hidden**2 + 13 * layers * hidden + (vocab + seq) * hidden
+        return cls(params, layers, hidden, heads, vocab, seq, largest_layer=max(vocab * hidden, 4 * hidden**2),
+                   name=name or f"{layers}L-{hidden}h transformer")
+
+    @classmethod
+    def from_module(cls, module, seq: int | None = None, name: str = "") -> "ModelShape":
+        """Count a torch module (meta-device modules work: nothing is allocated).
+
+        Finds the largest leaf module, the number of repeated blocks (the
+        longest ModuleList), and hidden/vocab from the first Embedding.
+        """
+        from torch import nn
+
+        numels = tuple(p.numel() for p in module.parameters())
+        leaves = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
+        layers = max((len(m) for m in module.modules() if isinstance(m, nn.ModuleList)), default=None)
+        emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
+        heads = next((getattr(m, "heads", None) or getattr(m, "num_heads", None) for m in module.modules()
+                      if getattr(m, "heads", None) or getattr(m, "num_heads", None)), None)
+        return cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
+                   emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
+                   numels=numels, name=name or type(module).__name__)
+
+
+# Well-known shapes (GPT-style approximation: gated MLPs and grouped-query
+# attention are not modelled, so Llama figures are approximate).
+MODEL_PRESETS = {
+    "GPT-2 small (124M)": ModelShape.transformer(12, 768, 12, 50257, 1024, "GPT-2 small"),
+    "GPT-2 XL (1.5B)": ModelShape.transformer(48, 1600, 25, 50257, 1024, "GPT-2 XL"),
+    "7B (Llama-2-7B shape)": ModelShape.transformer(32, 4096, 32, 32000, 4096, "7B"),
+    "13B (Llama-2-13B shape)": ModelShape.transformer(40, 5120, 40, 32000, 4096, "13B"),
+    "70B-class (80L, 8192h)": ModelShape.transformer(80, 8192, 64, 32000, 4096, "70B-class"),
+    "GPT-3 175B": ModelShape.transformer(96, 12288, 96, 50257, 2048, "GPT-3 175B"),
+}
+
+
+@dataclass(frozen=True)
+class Training:
+    micro_batch: int = 1
+    seq: int | None = None  # default: the model's
+    precision: str = "bf16"  # fp32 | bf16 | fp16 (mixed precision for the latter two)
+    optimizer: str = "adamw"  # adam | adamw | sgd
+    grad_accum: int = 1
+    checkpointing: str = "none"  # none | selective | full
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Devices and links. Memory in bytes, bandwidth in bus bytes/s, latency in seconds."""
+
+    name: str
+    nodes: int
+    devices_per_node: int
+    device_memory: float
+    host_memory: float  # per node
+    intra_bw: float
+    inter_bw: float
+    intra_latency: float = 10e-6
+    inter_latency: float = 20e-6
+    link: str = ""
+    peak_flops: float = 312e12  # dense bf16 per device (fp32: a quarter on GPUs)
+    host_link_bw: float = 25 * 1e9  # device <-> host (PCIe) bytes/s, for offload
+    measured: bool = False
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    def bandwidth(self, group: int) -> tuple[float, float]:
+        """(alpha, B) for a collective over ``group`` devices: within a node or across nodes."""
+        if group <= self.devices_per_node:
+            return self.intra_latency, self.intra_bw
+        return self.inter_latency, self.inter_bw
+
+    def with_commbench(self, result) -> "Hardware":
+        """Use a %commbench all_reduce fit (alpha, bus B) for the links it measured."""
+        fit = result.fits.get("all_reduce")
+        if fit is None:
+            raise ValueError("the commbench result has no all_reduce fit; run %commbench all_reduce over several sizes")
+        if len(result.ranks) <= self.devices_per_node:
+            return replace(self, intra_latency=fit.alpha_s, intra_bw=fit.bus_bandwidth, measured=True)
+        return replace(self, inter_latency=fit.alpha_s, inter_bw=fit.bus_bandwidth, measured=True)
+
+    def scaled(self, nodes: int | None = None, devices_per_node: int | None = None) -> "Hardware":
+        return replace(self, nodes=nodes or self.nodes, devices_per_node=devices_per_node or self.devices_per_node)
+
+
+# Documented defaults (approximate busbw of a large all_reduce, as nccl-tests reports):
+# A100 NVLink3 ~230 GB/s, H100 NVLink4 ~360 GB/s, PCIe 4.0 x16 ~20 GB/s, HDR InfiniBand
+# 200 Gb/s per GPU ~23 GB/s; 2 gloo CPU ranks on one host ~1.2 GB/s (measured here).
+HARDWARE_PRESETS = {
+    "8x A100-40GB NVLink": Hardware("8x A100-40GB NVLink", 1, 8, 40 * GiB, 1024 * GiB, 230 * GB, 23 * GB,
+                                    link="NVLink3", peak_flops=312e12),
+    "8x A100-80GB NVLink": Hardware("8x A100-80GB NVLink", 1, 8, 80 * GiB, 1024 * GiB, 230 * GB, 23 * GB,
+                                    link="NVLink3", peak_flops=312e12),
+    "8x H100-80GB NVLink": Hardware("8x H100-80GB NVLink", 1, 8, 80 * GiB, 2048 * GiB, 360 * GB, 45 * GB,
+                                    link="NVLink4", peak_flops=989e12, host_link_bw=50 * GB),
+    "4x RTX 4090 PCIe": Hardware("4x RTX 4090 PCIe", 1, 4, 24 * GiB, 128 * GiB, 20 * GB, 10 * GB,
+                                 link="PCIe 4.0", peak_flops=165e12),
+    "2 CPU ranks (gloo)": Hardware("2 CPU ranks (gloo)", 1, 2, 24 * GiB, 24 * GiB, 1.2 * GB, 1.2 * GB,
+                                   intra_latency=300e-6, inter_latency=300e-6, link="shared memory / loopback",
+                                   peak_flops=0.05e12, host_link_bw=10 * GB),
+}

@@ -1,0 +1,119 @@
+"""Rank the layouts that fit, with a reason per line; say what would make one fit if none does."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .estimate import DP_LAYOUTS, PREFERENCE, RESERVE, Estimate, estimate
+from .inputs import Hardware, ModelShape, Training
+
+GB = 1e9
+TIE = 0.10  # step-time estimates within 10% of the best count as a tie: the simpler layout wins
+
+
+def _gb(x: float) -> str:
+    return f"{x / GB:.1f} GB"
+
+
+def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[str, int, int]]:
+    """(layout, tp, pp): every data-parallel layout, plus tensor x pipeline splits the shape allows."""
+    out = [(name, 1, 1) for name in DP_LAYOUTS]
+    if m.layers and m.heads:
+        for tp in (2, 4, 8):
+            if tp > hw.devices_per_node or m.heads % tp or hw.devices % tp:
+                continue
+            for pp in (1, 2, 4, 8, 16):
+                if hw.devices % (tp * pp) or m.layers % pp:
+                    continue
+                out.append(("tp" if pp == 1 else "tp-pp", tp, pp))
+        for pp in (2, 4, 8):
+            if hw.devices % pp == 0 and m.layers % pp == 0:
+                out.append(("pp", 1, pp))
+    return out
+
+
+@dataclass
+class Recommendation:
+    ranked: list = field(default_factory=list)  # fitting Estimates, best first
+    rejected: list = field(default_factory=list)  # Estimates that do not fit
+    reasons: dict = field(default_factory=dict)  # id(estimate) -> reason line
+    advice: list = field(default_factory=list)  # when nothing fits
+
+    @property
+    def best(self) -> Estimate | None:
+        return self.ranked[0] if self.ranked else None
+
+    def lines(self) -> list[str]:
+        out = [self.reasons[id(e)] for e in self.ranked]
+        out += [self.reasons[id(e)] for e in self.rejected]
+        return out + self.advice
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> Recommendation:
+    """Estimate every candidate layout, keep those that fit, rank by time per sample then simplicity.
+
+    Layouts within 10% of the fastest estimate tie, and the simplest of them
+    (DDP, then FSDP, then ZeRO, then tensor/pipeline parallel, then offload)
+    comes first: the estimates are not finer than that.
+    """
+    ests = [estimate(name, m, t, hw, tp, pp) for name, tp, pp in candidate_layouts(m, hw)]
+    fit = [e for e in ests if e.fits]
+    bad = [e for e in ests if not e.fits]
+    rec = Recommendation()
+    if fit:
+        best = min(e.time_per_sample for e in fit)
+        fit.sort(key=lambda e: (e.time_per_sample > best * (1 + TIE), PREFERENCE.index(e.layout), e.tp * e.pp,
+                                e.time_per_sample))
+    rec.ranked = fit
+    rec.rejected = sorted(bad, key=lambda e: e.device_total)
+    ddp = next((e for e in ests if e.layout == "ddp"), None)
+    for e in fit:
+        parts = [f"{_label(e)} fits with {e.headroom:.0%} headroom ({_gb(e.device_total)} of {_gb(e.capacity)} "
+                 f"per device: {_split(e)})"]
+        if ddp is not None and e is not ddp and ddp.comm_bus_bytes:
+            parts.append(f"communication x{e.comm_bus_bytes / ddp.comm_bus_bytes:.2f} DDP's")
+        parts.append(f"est. {e.time_per_sample * 1e3:.1f} ms per sample; step {e.step_s * 1e3:.0f} ms (compute {e.compute_s * 1e3:.0f}, exposed comm "
+                     f"{e.exposed_comm_s * 1e3:.0f}" + (f", bubble {e.bubble_s * 1e3:.0f}" if e.bubble_s else "")
+                     + (f", offload {e.offload_s * 1e3:.0f}" if e.offload_s else "") + ")")
+        if e.host:
+            parts.append(f"host {_gb(e.host)} of {_gb(e.host_capacity)} per node")
+        rec.reasons[id(e)] = "; ".join(parts + e.notes)
+    for e in bad:
+        why = (f"needs {_gb(e.device_total)} > {_gb((1 - RESERVE) * e.capacity)} usable per device ({_split(e)})"
+               if e.device_total > (1 - RESERVE) * e.capacity else
+               f"needs {_gb(e.host)} of host memory per node > {_gb(e.host_capacity)}")
+        rec.reasons[id(e)] = f"{_label(e)} does not fit: {why}"
+    if not fit and advise:
+        rec.advice = _advice(m, t, hw, ests)
+    return rec
+
+
+def _label(e: Estimate) -> str:
+    names = {"ddp": "DDP", "fsdp": "FSDP (full shard)", "fsdp-grad-op": "FSDP (grad-op sharding)",
+             "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero2-offload": "ZeRO-2 + CPU offload",
+             "zero3-offload-optimizer": "ZeRO-3 + CPU offload (optimizer)",
+             "zero3-offload": "ZeRO-3 + CPU offload (optimizer + params)"}
+    if e.layout in names:
+        return names[e.layout]
+    return f"Megatron TP {e.tp} x PP {e.pp} x DP {e.dp}"
+
+
+def _split(e: Estimate) -> str:
+    return ", ".join(f"{k} {_gb(v)}" for k, v in e.device.items() if v)
+
+
+def _advice(m: ModelShape, t: Training, hw: Hardware, ests: list[Estimate]) -> list[str]:
+    closest = min(ests, key=lambda e: e.device_total)
+    out = [f"Nothing fits; the closest is {_label(closest)} at {_gb(closest.device_total)} per device."]
+    for label, change in (
+        ("activation checkpointing (full)", dict(t=Training(**{**t.__dict__, "checkpointing": "full"}))),
+        (f"micro-batch {max(1, t.micro_batch // 2)}", dict(t=Training(**{**t.__dict__, "micro_batch": max(1, t.micro_batch // 2)}))),
+        (f"{hw.devices * 2} devices", dict(hw=hw.scaled(nodes=hw.nodes * 2))),
+        (f"{hw.devices * 4} devices", dict(hw=hw.scaled(nodes=hw.nodes * 4))),
+    ):
+        r = recommend(m, change.get("t", t), change.get("hw", hw), advise=False)
+        if r and r.best is not None:
+            out.append(f"With {label}: {_label(r.best)} would fit ({_gb(r.best.device_total)} per device).")
+    return out

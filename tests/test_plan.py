@@ -1,0 +1,137 @@
+"""The planner: ZeRO paper figures, DeepSpeed's own estimators, measured ledgers, rules of thumb."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nbtool.example_models import TinyTransformer
+from nbtool.plan import paper_bytes
+from nbtool.plan.estimate import estimate
+from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
+from nbtool.plan.recommend import recommend
+
+GB = 1e9
+
+
+@pytest.mark.parametrize("stage,expected_gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_figure_1(stage, expected_gb):
+    """Rajbhandari et al. 2020, figure 1: a 7.5B model on 64 GPUs with mixed-precision Adam (K=12)."""
+    assert sum(paper_bytes(stage, 7.5e9, 64).values()) / GB == pytest.approx(expected_gb, abs=0.05)
+
+
+def _model_states(e):
+    return e.device.get("params", 0) + e.device.get("grads", 0) + e.device.get("optimizer", 0)
+
+
+@pytest.mark.parametrize("nodes,per_node", [(1, 8), (2, 8), (4, 4)])
+def test_matches_deepspeed_estimators(nodes, per_node):
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    m = MODEL_PRESETS["13B (Llama-2-13B shape)"]
+    hw = HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=nodes, devices_per_node=per_node)
+    t = Training(precision="bf16", optimizer="adamw")
+    psi, n = m.params, nodes * per_node
+    est = {name: estimate(name, m, t, hw) for name in
+           ("zero2", "zero2-offload", "zero3", "zero3-offload-optimizer", "zero3-offload")}
+
+    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, per_node, nodes, cpu_offload=False)
+    assert _model_states(est["zero2"]) == pytest.approx(gpu, abs=2)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, per_node, nodes, cpu_offload=True)
+    assert _model_states(est["zero2-offload"]) == pytest.approx(gpu, abs=2)
+    assert est["zero2-offload"].host == pytest.approx(cpu, rel=1e-9)
+
+    for name, off, off_params in (("zero3", False, False), ("zero3-offload-optimizer", True, False),
+                                  ("zero3-offload", True, True)):
+        cpu, gpu, largest = estimate_zero3_model_states_mem_needs(psi, m.largest_layer, per_node, nodes,
+                                                                  cpu_offload=off, cpu_offload_params=off_params)
+        e = est[name]
+        assert _model_states(e) + e.device["buffers"] == pytest.approx(gpu, abs=2), name
+        assert e.device["buffers"] == largest
+        if off:
+            assert e.host == pytest.approx(cpu, rel=1e-9), name
+
+
+LEDGER_SETUP = """%%distributed --quiet
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+def _one_step(strategy):
+    m = TinyTransformer()
+    model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+    x, y = next(iter(strategy.dataloader(SyntheticTokens(16), batch_size=2)))
+    strategy.backward(lm_loss(model(x), y)); opt.step()
+    return strategy.memory_ledger()
+"""
+
+
+@pytest.mark.parametrize("layout,line", [("ddp", "ddp"), ("fsdp", "fsdp"), ("zero1", "zero1"),
+                                         ("zero2", "zero2"), ("zero3", "zero3")])
+def test_predicted_model_states_equal_measured_ledger(ip, cluster, layout, line):
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell(f"%%distributed {line} --quiet --no-metrics\n_led = _one_step(strategy)").raise_error()
+    ip.run_line_magic("dist_pull", "_led")
+    m = ModelShape.from_module(TinyTransformer())
+    e = estimate(layout, m, Training(precision="fp32"), HARDWARE_PRESETS["2 CPU ranks (gloo)"])
+    for led in ip.user_ns["_led"]:
+        assert e.device["params"] == led.params
+        assert e.device["grads"] == led.grads
+        assert e.device["optimizer"] == led.master_params + led.optimizer_state + led.other
+
+
+def test_from_module_counts_on_the_meta_device():
+    with torch.device("meta"):
+        big = TinyTransformer(vocab=50000, dim=1024, heads=16, layers=8)
+    shape = ModelShape.from_module(big, seq=16)
+    assert shape.params == sum(p.numel() for p in big.parameters())
+    assert shape.largest_layer == 1024 * 50000 + 50000  # the LM head (weight + bias) is the largest module
+    assert (shape.layers, shape.hidden, shape.vocab, shape.heads) == (8, 1024, 50000, 16)
+
+
+def test_commbench_numbers_replace_defaults():
+    from nbtool.commbench import CommbenchResult, Fit
+
+    res = CommbenchResult("gloo", [0, 1], "float32", 10, 2, False,
+                          fits={"all_reduce": Fit(123e-6, 1.5e9, 0.99, 0.05, 8)})
+    hw = HARDWARE_PRESETS["2 CPU ranks (gloo)"].with_commbench(res)
+    assert (hw.intra_latency, hw.intra_bw, hw.measured) == (123e-6, 1.5e9, True)
+
+
+RULES = [
+    # seed rule 1: 1-4 GPUs and a small model -> DDP
+    ("GPT-2 small (124M)", HARDWARE_PRESETS["4x RTX 4090 PCIe"], Training(micro_batch=8), "ddp",
+     ["DDP fits with", "GB per device"]),
+    # seed rule 2: memory tight on a handful of GPUs (8 x A100) -> FSDP + bf16
+    ("7B (Llama-2-7B shape)", HARDWARE_PRESETS["8x A100-40GB NVLink"],
+     Training(micro_batch=1, checkpointing="full"), "fsdp", ["FSDP", "does not fit: needs"]),
+    # seed rule 3: extreme memory pressure (> 16 GPUs' worth of states) -> ZeRO-3 + CPU offload
+    ("70B-class (80L, 8192h)", HARDWARE_PRESETS["8x A100-40GB NVLink"].scaled(nodes=2),
+     Training(micro_batch=1, checkpointing="full"), "zero3-offload", ["ZeRO-3 + CPU offload", "host"]),
+    # seed rule 4: hundreds of billions of parameters on a fast network -> Megatron TP + PP
+    ("GPT-3 175B", HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=8),
+     Training(micro_batch=1, grad_accum=16, checkpointing="selective"), "tp-pp", ["Megatron TP 8", "bubble"]),
+]
+
+
+@pytest.mark.parametrize("model,hw,training,family,mentions", RULES, ids=["ddp", "fsdp", "zero3-offload", "tp-pp"])
+def test_rules_of_thumb(model, hw, training, family, mentions):
+    rec = recommend(MODEL_PRESETS[model], training, hw)
+    assert rec.best is not None and rec.best.layout.startswith(family), str(rec)
+    text = str(rec)
+    for phrase in mentions:
+        assert phrase in text
+    first = rec.lines()[0]
+    assert "headroom" in first and "GB" in first and "ms per sample" in first  # the deciding numbers
+
+
+def test_ddp_is_rejected_with_its_numbers_when_memory_is_tight():
+    rec = recommend(MODEL_PRESETS["7B (Llama-2-7B shape)"], Training(micro_batch=1, checkpointing="full"),
+                    HARDWARE_PRESETS["8x A100-40GB NVLink"])
+    line = next(l for l in rec.lines() if l.startswith("DDP does not fit"))
+    assert "needs 133.7 GB > 38.7 GB usable per device" in line and "optimizer 52.7 GB" in line
+
+
+def test_nothing_fits_says_what_would():
+    tiny = Hardware("1 small GPU", 1, 1, 8e9, 16e9, 1e9, 1e9)
+    rec = recommend(MODEL_PRESETS["13B (Llama-2-13B shape)"], Training(micro_batch=4), tiny)
+    assert rec.best is None
+    assert rec.advice[0].startswith("Nothing fits; the closest is")
+    assert any("would fit" in a for a in rec.advice[1:])
