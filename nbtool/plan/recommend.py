@@ -105,15 +105,28 @@ def _split(e: Estimate) -> str:
 
 
 def _advice(m: ModelShape, t: Training, hw: Hardware, ests: list[Estimate]) -> list[str]:
+    """Try the usual remedies, cumulatively, and report the first setup where something fits."""
     closest = min(ests, key=lambda e: e.device_total)
     out = [f"Nothing fits; the closest is {_label(closest)} at {_gb(closest.device_total)} per device."]
-    for label, change in (
-        ("activation checkpointing (full)", dict(t=Training(**{**t.__dict__, "checkpointing": "full"}))),
-        (f"micro-batch {max(1, t.micro_batch // 2)}", dict(t=Training(**{**t.__dict__, "micro_batch": max(1, t.micro_batch // 2)}))),
-        (f"{hw.devices * 2} devices", dict(hw=hw.scaled(nodes=hw.nodes * 2))),
-        (f"{hw.devices * 4} devices", dict(hw=hw.scaled(nodes=hw.nodes * 4))),
-    ):
-        r = recommend(m, change.get("t", t), change.get("hw", hw), advise=False)
-        if r and r.best is not None:
-            out.append(f"With {label}: {_label(r.best)} would fit ({_gb(r.best.device_total)} per device).")
+    changes, tt = [], t
+    steps = []
+    if t.checkpointing != "full":
+        tt = Training(**{**tt.__dict__, "checkpointing": "full"})
+        changes.append("full activation checkpointing")
+        steps.append((list(changes), tt, hw))
+    if t.micro_batch > 1:
+        tt = Training(**{**tt.__dict__, "micro_batch": 1})
+        changes.append("micro-batch 1")
+        steps.append((list(changes), tt, hw))
+    for factor in (2, 4, 8, 16, 32, 64):
+        steps.append((changes + [f"{hw.devices * factor} devices"], tt, hw.scaled(nodes=hw.nodes * factor)))
+    for what, t2, hw2 in steps:
+        r = recommend(m, t2, hw2, advise=False)
+        if r.best is not None:
+            out.append(f"With {', '.join(what)}: {_label(r.best)} would fit "
+                       f"({_gb(r.best.device_total)} per device).")
+            break
+    else:
+        out.append("Even 64x the devices with full checkpointing and micro-batch 1 would not fit: "
+                   "a larger device or a smaller model is needed.")
     return out
