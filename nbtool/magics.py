@@ -86,6 +86,14 @@ def _strategy_options(f):
     return f
 
 
+def parse_strategy_line(line: str, backend: str | None = None, device_kind: str = "cuda"):
+    """The StrategySpec a ``%%distributed STRATEGY ...`` line (without ``%%distributed``) asks for."""
+    args = NbtoolMagics.distributed.parser.parse_argstring(line)
+    if args.strategy not in STRATEGIES:
+        raise UsageError(f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)}")
+    return strategy_spec(args, backend, device_kind)
+
+
 @magics_class
 class NbtoolMagics(Magics):
     """%cluster, %%distributed, %%rank, %dist_push, %dist_pull."""
@@ -339,6 +347,36 @@ class NbtoolMagics(Magics):
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
         return session.commbench(cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
                                  args.inplace, self.in_kernel, label=args.label)
+
+    # -- %dist_plan -----------------------------------------------------------
+    @magic_arguments()
+    @argument("--model", default=None, help="a preset name (see nbtool.plan.MODEL_PRESETS) or a parameter count like 7e9")
+    @argument("--hardware", default=None, help="a preset name; default: this cluster if one runs")
+    @argument("--devices", type=positive_int, default=None, help="number of devices")
+    @argument("--micro-batch", type=positive_int, default=1)
+    @argument("--seq", type=positive_int, default=None)
+    @argument("--precision", choices=PRECISIONS, default="bf16")
+    @argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    @argument("--text", action="store_true", help="print the ranked recommendation instead of the widget")
+    @argument("--vs-last", action="store_true", help="predicted vs measured model states of the last run")
+    @line_magic
+    def dist_plan(self, line=""):
+        """Recommend a strategy from the model size and the hardware, with the numbers behind it.
+
+        Opens the picker widget in a notebook (``--text`` prints the ranking):
+        predicted per-device memory per layout against the device's capacity,
+        communication per step, and a ranked list with a reason per line;
+        "Apply" writes the chosen ``%%distributed`` line into a new cell.
+        ``--vs-last`` compares predicted with measured model states for the
+        last recorded run. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
+        ``HARDWARE_PRESETS``; measured ``%commbench`` bandwidth is used when present.
+        """
+        from . import session
+
+        args = parse_argstring(self.dist_plan, line)
+        if args.vs_last:
+            return session.plan_vs_last()
+        return session.plan(args, self.rank_cluster, self.in_kernel, self.shell)
 
     # -- %dist_push / %dist_pull -----------------------------------------
     @magic_arguments()

@@ -135,3 +135,88 @@ def test_nothing_fits_says_what_would():
     assert rec.best is None
     assert rec.advice[0].startswith("Nothing fits; the closest is")
     assert any("would fit" in a for a in rec.advice[1:])
+
+
+def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
+    ip.run_line_magic("dist_plan", "--text --model 6.6e9 --hardware a100-40gb --checkpointing full")
+    out = capsys.readouterr().out
+    assert "6.60B parameters on 8 x 40 GiB" in out
+    assert " 1. FSDP (grad-op sharding) fits with" in out
+    assert "run it: %%distributed fsdp --no-reshard-after-forward --precision bf16 --activation-checkpointing" in out
+
+
+@pytest.mark.parametrize("line,fragment", [
+    ("--hardware tpu", "--hardware 'tpu' is not a preset; presets: 8x A100-40GB NVLink"),
+    ("--hardware a100", "--hardware 'a100' matches several presets"),
+    ("--model llama", "--model 'llama' matches several presets"),
+    ("--model 0", "the parameter count must be >= 1"),
+    ("--precision fp8", "invalid choice: 'fp8'"),
+])
+def test_dist_plan_refusals(ip, line, fragment):
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError) as info:
+        ip.run_line_magic("dist_plan", f"--text {line}")
+    assert fragment in str(info.value)
+
+
+def test_dist_plan_on_this_cluster_uses_measured_links(ip, cluster, capsys):
+    ip.run_line_magic("commbench", "--sizes 1KB:1MB --factor 32 --iters 2")
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--text --model 1e8 --micro-batch 2 --seq 128")
+    out = capsys.readouterr().out
+    assert "2 CPU ranks (gloo, this machine), measured links" in out
+
+
+def test_vs_last_compares_prediction_with_the_ledger(ip, cluster, capsys):
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell("%%distributed zero2 --quiet\n_led = _one_step(strategy)").raise_error()
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--vs-last")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("run 'zero2' (zero2, fp32, 2 ranks)")
+    for line in lines[2:]:
+        name, predicted, r0, r1 = line.split()
+        assert predicted == r0 == r1, line  # predicted bytes equal what each rank holds
+
+
+def test_picker_updates_and_apply_round_trips(ip, tmp_path):
+    from nbtool.magics import parse_strategy_line
+    from nbtool.widgets.picker import Picker
+
+    class Shell:
+        def __init__(self):
+            self.next = None
+
+        def set_next_input(self, text, replace=False):
+            self.next = text
+
+    shell = Shell()
+    p = Picker(model="7B (Llama-2-7B shape)", shell=shell)
+    p.hardware.value = "8x A100-40GB NVLink"
+    before = p.updates
+    p.checkpointing.value = "full"
+    assert p.updates == before + 1
+    labels = list(p.fig.data[0].x)
+    assert "DDP" in labels and "ZeRO-3" in labels
+    ddp = labels.index("DDP")
+    assert sum(p.fig.data[i].y[ddp] for i in range(5)) > p.fig.data[5].y[0]  # DDP over the capacity line
+    assert p.choice.options[0][0].startswith("FSDP (grad-op sharding): %%distributed fsdp")
+    p.apply()
+    line = shell.next.splitlines()[0]
+    assert line == p.apply_line()
+    spec = parse_strategy_line(line[len("%%distributed "):])
+    assert (spec.name, spec.precision, spec.reshard_after_forward, spec.activation_checkpointing) == \
+        ("fsdp", "bf16", False, "")
+    # a ZeRO choice exports the DeepSpeed config its line would use
+    zero = next(i for label, i in p.choice.options if label.startswith("ZeRO-2:"))
+    p.choice.value = zero
+    p.export_path.value = str(tmp_path / "ds.json")
+    assert p.export() == str(tmp_path / "ds.json")
+    import json
+
+    cfg = json.loads((tmp_path / "ds.json").read_text())
+    assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"] == {"enabled": True}
+    # smaller micro-batch and more memory change the ranking: DDP fits a 124M model
+    p.model.value = "GPT-2 small (124M)"
+    assert p.choice.options[0][0].startswith("DDP: %%distributed ddp")

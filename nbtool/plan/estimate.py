@@ -50,6 +50,7 @@ from .model_states import expected_ledger
 MFU = 0.4
 RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
 DDP_BUCKET = 25 * 2**20
+DEFAULT_SEQ = 2048
 
 DP_LAYOUTS = ("ddp", "fsdp-grad-op", "zero2", "zero1", "fsdp", "zero3",
               "zero2-offload", "zero3-offload-optimizer", "zero3-offload")
@@ -104,8 +105,25 @@ class Estimate:
         return self.step_s / self.samples
 
     @property
-    def magic_line(self) -> str:
-        """The %%distributed line that runs this layout with nbtool (tp/pp: issue 7's syntax)."""
+    def runnable(self) -> bool:
+        """Whether nbtool's %%distributed can run this layout today (tensor/pipeline: not yet)."""
+        return self.layout in DP_LAYOUTS
+
+    def magic_line(self, t: Training | None = None) -> str:
+        """The %%distributed line for this layout and training setup (parses back to the same choice)."""
+        t = t or Training()
+        words = [self._strategy_words()]
+        if t.precision != "fp32":
+            words.append(f"--precision {t.precision}")
+        if t.grad_accum > 1:
+            words.append(f"--grad-accum {t.grad_accum}")
+        if t.checkpointing != "none":
+            words.append("--activation-checkpointing")
+        if self.layout.startswith("zero"):
+            words.append(f"--micro-batch {t.micro_batch}")
+        return " ".join(words)
+
+    def _strategy_words(self) -> str:
         return {
             "ddp": "ddp", "fsdp": "fsdp", "fsdp-grad-op": "fsdp --no-reshard-after-forward",
             "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "zero2-offload": "zero2 --offload optimizer",
@@ -152,7 +170,11 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
     frac = (n - 1) / n if n > 1 else 0.0
     act = activations(m, t, tp, pp)
     e.device["activations"] = act
-    tokens = t.micro_batch * (t.seq or m.seq or 1) * t.grad_accum
+    seq = t.seq or m.seq
+    if seq is None:
+        seq = DEFAULT_SEQ
+        e.notes.append(f"sequence length not given: compute assumes {DEFAULT_SEQ} tokens per sample")
+    tokens = t.micro_batch * seq * t.grad_accum
     flops = 6 * psi * tokens * (4 / 3 if t.checkpointing == "full" else 1)
     # one replica's work, split over its tp * pp devices
     e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)

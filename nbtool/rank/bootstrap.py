@@ -170,3 +170,18 @@ def _watch_kernel(kernel_pid: int, controller_pid: int | None) -> None:
 
     _watcher = threading.Thread(target=run, name="nbtool-kernel-watch", daemon=True)
     _watcher.start()
+
+
+def hardware_facts() -> dict:
+    """What this rank's machine has, for the planner: devices, their memory, host RAM."""
+    import psutil
+    import torch
+
+    facts = {"host_memory": psutil.virtual_memory().total, "cpus": os.cpu_count(), "gpus": []}
+    if torch.cuda.is_available():
+        for i in range(torch.cuda.device_count()):
+            p = torch.cuda.get_device_properties(i)
+            facts["gpus"].append({"name": p.name, "memory": p.total_memory})
+        if torch.cuda.device_count() > 1:
+            facts["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
+    return facts

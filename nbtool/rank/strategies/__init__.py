@@ -66,7 +66,10 @@ def finish(want_summary: bool = True) -> dict:
         if want_summary:
             out["summary"] = _last.summary()
         if _last.model is not None:
-            out["description"] = dict(_last.describe())
+            # plus what the planner needs to predict this run (%dist_plan --vs-last)
+            out["description"] = {**dict(_last.describe()), "param_numels": list(_last._param_numels),
+                                  "precision_spec": _last.spec.precision,
+                                  "reshard_after_forward": _last.spec.reshard_after_forward}
     return out
 
 

@@ -176,6 +176,7 @@ class Strategy:
                 "the optimizer already has state (it has stepped); create it fresh before prepare()"
             )
         self._check_model(model)
+        self._param_numels = [p.numel() for p in model.parameters()]
         if self.spec.activation_checkpointing is not None:
             self._apply_activation_checkpointing(model)
         wrapped, inner = self._wrap(model, optimizer)

@@ -1,0 +1,158 @@
+"""The strategy picker: inputs -> predicted memory and communication per layout -> a ranked choice.
+
+Consumes planner objects only (nbtool.plan). "Apply" writes the matching
+``%%distributed`` line into a new cell below (IPython's set_next_input);
+"Export DeepSpeed config" writes the JSON that line would use.
+"""
+from __future__ import annotations
+
+import html
+
+import ipywidgets as W
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from nbtool.plan.estimate import DP_LAYOUTS, PREFERENCE
+from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
+from nbtool.plan.recommend import _label, recommend
+
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
+COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a")
+
+
+class Picker:
+    def __init__(self, hardware: Hardware | None = None, model: str = "GPT-2 small (124M)", shell=None):
+        self.shell = shell
+        self.hw_presets = dict(HARDWARE_PRESETS)
+        if hardware is not None:
+            self.hw_presets = {hardware.name: hardware, **self.hw_presets}
+        first_hw = next(iter(self.hw_presets.values()))
+        style = {"description_width": "110px"}
+        lay = W.Layout(width="330px")
+        self.model = W.Dropdown(options=list(MODEL_PRESETS) + ["custom"], value=model, description="model",
+                                style=style, layout=lay)
+        self.custom_params = W.FloatText(value=1.0, description="params (B)", style=style, layout=lay)
+        self.hardware = W.Dropdown(options=list(self.hw_presets), value=first_hw.name, description="hardware",
+                                   style=style, layout=lay)
+        self.devices = W.IntText(value=first_hw.devices, description="devices", style=style, layout=lay)
+        self.memory = W.FloatText(value=round(first_hw.device_memory / GB, 1), description="device GB",
+                                  style=style, layout=lay)
+        self.precision = W.Dropdown(options=["bf16", "fp16", "fp32"], value="bf16", description="precision",
+                                    style=style, layout=lay)
+        self.micro_batch = W.IntText(value=1, description="micro-batch", style=style, layout=lay)
+        self.seq = W.IntText(value=0, description="seq (0: model)", style=style, layout=lay)
+        self.checkpointing = W.Dropdown(options=["none", "selective", "full"], value="none",
+                                        description="checkpointing", style=style, layout=lay)
+        self.choice = W.Dropdown(options=[], description="run", style=style, layout=W.Layout(width="520px"))
+        self.apply_button = W.Button(description="Apply: new cell below", button_style="primary")
+        self.export_path = W.Text(value="ds_config.json", description="config file", style=style, layout=lay)
+        self.export_button = W.Button(description="Export DeepSpeed config")
+        self.message = W.HTML()
+        self.ranking = W.HTML()
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
+                            subplot_titles=("predicted memory per device (GB)", "communication per step (bus GB)"))
+        for cat, color in zip(CATEGORIES, COLORS):
+            fig.add_trace(go.Bar(x=[], y=[], name=cat, marker_color=color), 1, 1)
+        fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name="usable (90%)", line=dict(color="black", dash="dash")), 1, 1)
+        fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#19d3f3", showlegend=False), 1, 2)
+        fig.update_layout(barmode="stack", height=420, margin=dict(t=40, l=40, r=10, b=120))
+        self.fig = go.FigureWidget(fig)
+        self.updates = 0
+        self.recommendation = None
+        for w in (self.model, self.custom_params, self.devices, self.memory, self.precision, self.micro_batch,
+                  self.seq, self.checkpointing):
+            w.observe(lambda _: self.update(), names="value")
+        self.hardware.observe(self._hardware_changed, names="value")
+        self.apply_button.on_click(lambda _: self.apply())
+        self.export_button.on_click(lambda _: self.export())
+        inputs = W.VBox([self.model, self.custom_params, self.hardware, self.devices, self.memory, self.precision,
+                         self.micro_batch, self.seq, self.checkpointing])
+        actions = W.VBox([W.HBox([self.choice, self.apply_button]), W.HBox([self.export_path, self.export_button]),
+                          self.message])
+        self.widget = W.VBox([W.HBox([inputs, self.fig]), self.ranking, actions])
+        self.update()
+
+    # -- inputs -> planner objects -------------------------------------------
+    def model_shape(self) -> ModelShape:
+        if self.model.value == "custom":
+            return ModelShape(int(self.custom_params.value * 1e9), name=f"{self.custom_params.value:g}B params")
+        return MODEL_PRESETS[self.model.value]
+
+    def hardware_now(self) -> Hardware:
+        base = self.hw_presets[self.hardware.value]
+        devices = max(1, self.devices.value)
+        per_node = min(base.devices_per_node, devices)
+        hw = base.scaled(nodes=max(1, -(-devices // per_node)), devices_per_node=per_node)
+        from dataclasses import replace
+
+        return replace(hw, device_memory=max(0.1, self.memory.value) * GB)
+
+    def training(self) -> Training:
+        return Training(micro_batch=max(1, self.micro_batch.value), seq=self.seq.value or None,
+                        precision=self.precision.value, checkpointing=self.checkpointing.value)
+
+    def _hardware_changed(self, change) -> None:
+        hw = self.hw_presets[change["new"]]
+        with self.widget.hold_sync():
+            self.devices.value = hw.devices
+            self.memory.value = round(hw.device_memory / GB, 1)
+        self.update()
+
+    # -- planner -> view ------------------------------------------------------------
+    def update(self) -> None:
+        rec = recommend(self.model_shape(), self.training(), self.hardware_now())
+        self.recommendation = rec
+        ests = sorted(rec.ranked + rec.rejected, key=lambda e: PREFERENCE.index(e.layout))
+        names = [_label(e) for e in ests]
+        with self.fig.hold_sync(), self.fig.batch_update():
+            for i, cat in enumerate(CATEGORIES):
+                self.fig.data[i].x = names
+                self.fig.data[i].y = [e.device.get(cat, 0) / GB for e in ests]
+            usable = 0.9 * self.hardware_now().device_memory / GB
+            self.fig.data[len(CATEGORIES)].x = names
+            self.fig.data[len(CATEGORIES)].y = [usable] * len(names)
+            self.fig.data[-1].x = names
+            self.fig.data[-1].y = [e.comm_bus_bytes / GB for e in ests]
+        runnable = [e for e in rec.ranked if e.layout in DP_LAYOUTS]
+        options = [(f"{_label(e)}: %%distributed {e.magic_line(self.training())}", i) for i, e in enumerate(runnable)]
+        self._runnable = runnable
+        self.choice.options = options
+        self.choice.value = 0 if options else None
+        items = "".join(f"<li>{html.escape(line)}</li>" for line in rec.lines())
+        self.ranking.value = f"<ol style='font-size:smaller'>{items}</ol>"
+        self.updates += 1
+
+    # -- actions ---------------------------------------------------------------
+    def selected(self):
+        if self.choice.value is None:
+            return None
+        return self._runnable[self.choice.value]
+
+    def apply_line(self) -> str | None:
+        e = self.selected()
+        return None if e is None else f"%%distributed {e.magic_line(self.training())}"
+
+    def apply(self) -> None:
+        line = self.apply_line()
+        if line is None:
+            self.message.value = "Nothing runnable fits: see the advice above."
+            return
+        if self.shell is not None:
+            self.shell.set_next_input(f"{line}\n# your training cell: strategy.prepare(model, optimizer) ...",
+                                      replace=False)
+        self.message.value = f"Wrote <code>{html.escape(line)}</code> into a new cell below."
+
+    def export(self) -> str | None:
+        from nbtool.magics import parse_strategy_line
+        from nbtool.rank.strategies.spec import deepspeed_config, dumps_config
+
+        e = self.selected()
+        if e is None or not e.layout.startswith("zero"):
+            self.message.value = "Only ZeRO layouts have a DeepSpeed config; FSDP/DDP options are the magic line."
+            return None
+        spec = parse_strategy_line(e.magic_line(self.training()))
+        text = dumps_config(deepspeed_config(spec, e.dp))
+        with open(self.export_path.value, "w") as f:
+            f.write(text)
+        self.message.value = f"Wrote the DeepSpeed config for {html.escape(_label(e))} to {html.escape(self.export_path.value)}."
+        return self.export_path.value
