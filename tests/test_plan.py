@@ -220,3 +220,35 @@ def test_picker_updates_and_apply_round_trips(ip, tmp_path):
     # smaller micro-batch and more memory change the ranking: DDP fits a 124M model
     p.model.value = "GPT-2 small (124M)"
     assert p.choice.options[0][0].startswith("DDP: %%distributed ddp")
+
+
+ACT_CELL = """%%distributed ddp --quiet --no-metrics
+m = TinyTransformer(vocab={V}, dim={h}, heads={a}, layers={L}, seq={s})
+model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+x = torch.randint(0, {V}, ({b}, {s})); y = torch.randint(0, {V}, ({b}, {s}))
+_saved = {{}}
+def _pack(t):
+    _saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return t
+with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
+    loss = lm_loss(model(x), y)
+strategy.backward(loss); opt.step()
+_act = dict(saved=sum(_saved.values()), ledger=strategy.memory_ledger())
+"""
+
+
+@pytest.mark.parametrize("s,b,h,L,a,V", [(64, 8, 128, 4, 4, 256), (256, 2, 128, 2, 8, 128)])
+def test_predicted_peak_with_activations_close_to_measured(ip, cluster, s, b, h, L, a, V):
+    """Activations: Korthikanti's count (16-bit, dropout masks) vs bytes PyTorch saves for backward
+    on CPU ranks in fp32: measured within -25% / +50% of predicted; model states exact."""
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell(ACT_CELL.format(s=s, b=b, h=h, L=L, a=a, V=V)).raise_error()
+    ip.run_line_magic("dist_pull", "_act --rank 0")
+    got = ip.user_ns["_act"]
+    shape = ModelShape.from_module(TinyTransformer(vocab=V, dim=h, heads=a, layers=L, seq=s), seq=s)
+    e = estimate("ddp", shape, Training(micro_batch=b, seq=s, precision="fp32"), HARDWARE_PRESETS["2 CPU ranks (gloo)"])
+    assert 0.75 <= got["saved"] / e.device["activations"] <= 1.5
+    led = got["ledger"]
+    predicted = _model_states(e) + e.device["activations"]
+    measured = led.params + led.grads + led.master_params + led.optimizer_state + led.other + got["saved"]
+    assert 0.75 <= measured / predicted <= 1.5

@@ -22,7 +22,10 @@ Sources, per figure:
   s b h (10 + 24/t + 5 a s / (h t)) with t-way tensor parallelism;
   s b h (34 + 5 a s / h) / t with sequence parallelism too; selective
   recomputation drops the 5 a s / h term; full recomputation keeps only each
-  layer's input, 2 s b h (/ t with SP). 1F1B pipelines hold p micro-batches
+  layer's input, 2 s b h (/ t with SP). With fused attention (FlashAttention,
+  torch SDPA; ``Training.fused_attention``, the default) no s x s scores are
+  saved, so the 5 a s / h term drops out as with selective recomputation.
+  1F1B pipelines hold p micro-batches
   of L/p layers on the first stage, i.e. L layers' worth. The LM head adds
   s b V x 6 bytes (bf16 logits and fp32 loss); fp32 training doubles
   activations.
@@ -133,6 +136,8 @@ class Estimate:
 
 def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool) -> float:
     s, b, h, a = (t.seq or m.seq), t.micro_batch, m.hidden, m.heads
+    if t.fused_attention:
+        a = 0  # no attention-score matrices saved (same as selective recomputation of attention)
     if t.checkpointing == "full":
         out = 2 * s * b * h / (tp if sp else 1)
     elif sp:

@@ -81,6 +81,9 @@ class Training:
     optimizer: str = "adamw"  # adam | adamw | sgd
     grad_accum: int = 1
     checkpointing: str = "none"  # none | selective | full
+    # fused attention (FlashAttention / torch SDPA) saves no s x s score matrices:
+    # Korthikanti's 5 a s / h term drops out
+    fused_attention: bool = True
 
 
 @dataclass(frozen=True)
