@@ -180,7 +180,7 @@ def test_vs_last_compares_prediction_with_the_ledger(ip, cluster, capsys):
         assert predicted == r0 == r1, line  # predicted bytes equal what each rank holds
 
 
-def test_picker_updates_and_apply_round_trips(ip, tmp_path):
+def test_picker_updates_and_apply_round_trips(ip, cluster, tmp_path):
     from nbtool.magics import parse_strategy_line
     from nbtool.widgets.picker import Picker
 
@@ -220,6 +220,11 @@ def test_picker_updates_and_apply_round_trips(ip, tmp_path):
     # smaller micro-batch and more memory change the ranking: DDP fits a 124M model
     p.model.value = "GPT-2 small (124M)"
     assert p.choice.options[0][0].startswith("DDP: %%distributed ddp")
+    p.apply()  # and %%distributed accepts and runs the line the picker wrote
+    res = ip.run_cell(shell.next.replace("# your training cell", "_applied = strategy.name  #"))
+    assert res.success, res.error_in_exec
+    ip.run_line_magic("dist_pull", "_applied --rank 0")
+    assert ip.user_ns["_applied"] == "ddp"
 
 
 ACT_CELL = """%%distributed ddp --quiet --no-metrics
