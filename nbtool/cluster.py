@@ -84,7 +84,7 @@ class RankCluster:
             log=_log,
             shutdown_atexit=True,
         )
-        env = {"OMP_NUM_THREADS": str(threads_per_rank(n)), "NBTOOL_KERNEL_PID": str(os.getpid())}
+        env = {"OMP_NUM_THREADS": str(threads_per_rank(n))}
         if not self.layout.gpus:
             env["DS_ACCELERATOR"] = "cpu"
         self._cluster.start_controller_sync()

@@ -69,7 +69,6 @@ def run_cell(
     in_kernel: bool,
     timeout: float | None = None,
     quiet: bool = False,
-    show_rich_from: int | None = None,
     on_tick=None,
 ) -> CellResult:
     """Execute ``code`` on ``ranks`` and block until every one is done.
@@ -104,8 +103,9 @@ def run_cell(
     except KeyboardInterrupt:
         stop_reason = "interrupt"
 
-    if stop_reason:
-        late = unfinished()
+    # a timeout or Ctrl-C that lands after every rank finished: the cell simply finished
+    late = unfinished() if stop_reason else []
+    if stop_reason and late:
         stuck = _interrupt(cluster, ar, children, late)
         ar.wait_for_output(1.0)
         out.finish(texts())
@@ -128,7 +128,7 @@ def run_cell(
     ar.wait_for_output(5.0)
     out.finish(texts())
     if not quiet:
-        _show_rich_outputs(children, show_rich_from if show_rich_from is not None else ranks[0])
+        _show_rich_outputs(children, ranks[0])
     errors = _collect_errors(children)
     if errors:
         raise RankError(errors)

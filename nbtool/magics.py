@@ -251,7 +251,7 @@ class NbtoolMagics(Magics):
     @magic_arguments()
     @argument("names", nargs="*", help="names of recorded runs (default: every run recorded in this kernel)")
     @argument("--deterministic", action="store_true",
-              help="print only the columns that do not vary between runs (bytes, counts)")
+              help="print only the columns that do not vary between runs (bytes)")
     @line_magic
     def dist_compare(self, line=""):
         """Compare recorded runs side by side: ``%dist_compare ddp fsdp zero3``.

@@ -75,7 +75,7 @@ def summary(run: RunRecords) -> dict:
     return {
         "name": run.name,
         "strategy": run.strategy,
-        "steps": len(steps) + (1 if steps else 0),
+        "steps": max((m.step for m in run.steps if m.rank == 0), default=0),
         "model_state_bytes": {r: sum(led.values()) for r, led in ledgers.items()},
         "ledger": ledgers,
         "peak_rss": {r: peak_rss(run, r) for r in ranks},

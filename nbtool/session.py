@@ -83,7 +83,13 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
 
         dash = Dashboard(cluster.world_size, title=f"{run.name}: live")
         display(dash.widget)
-    cluster.view(ranks).apply_sync(strategies.install, spec, metrics)
+    try:
+        cluster.view(ranks).apply_sync(strategies.install, spec, metrics)
+    except BaseException:
+        _finish(cluster, ranks, want_summary=False)  # ranks where it worked: stop their recorders
+        if dash is not None:
+            dash.close()
+        raise
     live = _LiveRecords(run, dash)
     finished = None
     try:
@@ -229,17 +235,19 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
                         seen[key] = row
             if seen:
                 plot.show_rows(list(seen.values()), n)
+        per_rank = ar.get()
     except KeyboardInterrupt:
         cluster.signal(everyone, "SIGINT")
         ar.wait(5)
         raise
-    per_rank = ar.get()
+    finally:
+        if plot is not None:
+            plot.close()
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
     if plot is not None:
         from .widgets import show_figure
 
-        plot.close()
         show_figure(result.figure())
     COMMBENCH[:] = [result]
     if result.wrong:
@@ -251,7 +259,7 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
 def plan(args, cluster, in_kernel: bool, shell):
     """%dist_plan: the picker widget, or the ranked recommendation as text."""
     from .plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, ModelShape, Training
-    from .plan.recommend import recommend
+    from .plan.recommend import recommend, runnable_choices
 
     hw = None
     if args.hardware is not None:
@@ -262,7 +270,7 @@ def plan(args, cluster, in_kernel: bool, shell):
 
         facts = cluster.view([0]).apply_sync(hardware_facts)[0]
         hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend)
-        if COMMBENCH:
+        if COMMBENCH and "all_reduce" in COMMBENCH[0].fits:
             hw = hw.with_commbench(COMMBENCH[0])
     model_name, shape = "GPT-2 small (124M)", None
     if args.model is not None:
@@ -296,8 +304,7 @@ def plan(args, cluster, in_kernel: bool, shell):
         return None
     hw = hw or HARDWARE_PRESETS["8x A100-80GB NVLink"]
     if args.devices:
-        per_node = min(hw.devices_per_node, args.devices)
-        hw = hw.scaled(nodes=max(1, -(-args.devices // per_node)), devices_per_node=per_node)
+        hw = hw.with_devices(args.devices)
     shape = shape or MODEL_PRESETS[model_name]
     training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
                         checkpointing=args.checkpointing)
@@ -307,8 +314,9 @@ def plan(args, cluster, in_kernel: bool, shell):
           f"{training.precision}, micro-batch {training.micro_batch}, checkpointing {training.checkpointing}")
     for i, line in enumerate(rec.lines(), 1):
         print(f"{i:>2}. {line}")
-    if rec.best is not None and rec.best.runnable:
-        print(f"run it: %%distributed {rec.best.magic_line(training)}")
+    choices = runnable_choices(rec, training)
+    if choices:
+        print(f"run it: %%distributed {choices[0].magic_line(training)}")
     return None
 
 
@@ -341,10 +349,7 @@ def plan_vs_last() -> None:
     layout = {"fsdp": "fsdp" if desc.get("reshard_after_forward", True) else "fsdp-grad-op"}.get(run.strategy, run.strategy)
     hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
     precision = desc.get("precision_spec", "fp32")
-    if run.strategy.startswith("zero") or precision == "fp32":
-        e = estimate(layout, shape, Training(precision="fp32" if precision == "fp32" else precision), hw)
-    else:
-        e = estimate(layout, shape, Training(precision=precision), hw)
+    e = estimate(layout, shape, Training(precision=precision), hw)
     print(f"run {run.name!r} ({run.strategy}, {precision}, {run.world_size} ranks): model states in bytes")
     print(f"{'category':<12} {'predicted':>14} " + " ".join(f"{'rank ' + str(r):>14}" for r in range(run.world_size)))
     measured = [peak_ledger(run, r) for r in range(run.world_size)]

@@ -197,6 +197,23 @@ def test_grad_accum_equals_larger_batch(ranks, name):
     assert acc[0]["ledger"]["when"] == "step 2"
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+def test_lr_schedulers_accept_the_returned_optimizer(ranks, capsys, name):
+    res, out, _ = run(ranks, capsys, f"""%%distributed {name} --quiet --no-metrics
+m = TinyTransformer()
+model, optimizer = strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=1.0))
+sched = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+for x, y in strategy.dataloader(_data, batch_size=4, shuffle=False):
+    strategy.backward(lm_loss(model(x), y)); optimizer.step(); optimizer.zero_grad(); sched.step()
+    if sched.last_epoch == 2:
+        break
+_lr = optimizer.param_groups[0]["lr"]
+""")
+    assert res.success, out
+    ranks.run_line_magic("dist_pull", "_lr --rank 0")
+    assert ranks.user_ns["_lr"] == 0.25
+
+
 def test_summary_and_describe(ranks, capsys):
     res, out, _ = run(ranks, capsys, "%%distributed zero3 --offload both\n_r = _run(strategy, steps=1)")
     assert res.success

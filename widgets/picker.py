@@ -12,9 +12,9 @@ import ipywidgets as W
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from nbtool.plan.estimate import DP_LAYOUTS, PREFERENCE
+from nbtool.plan.estimate import PREFERENCE
 from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
-from nbtool.plan.recommend import _label, recommend
+from nbtool.plan.recommend import _label, recommend, runnable_choices
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
 COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a")
@@ -79,12 +79,9 @@ class Picker:
         return MODEL_PRESETS[self.model.value]
 
     def hardware_now(self) -> Hardware:
-        base = self.hw_presets[self.hardware.value]
-        devices = max(1, self.devices.value)
-        per_node = min(base.devices_per_node, devices)
-        hw = base.scaled(nodes=max(1, -(-devices // per_node)), devices_per_node=per_node)
         from dataclasses import replace
 
+        hw = self.hw_presets[self.hardware.value].with_devices(max(1, self.devices.value))
         return replace(hw, device_memory=max(0.1, self.memory.value) * GB)
 
     def training(self) -> Training:
@@ -113,7 +110,7 @@ class Picker:
             self.fig.data[len(CATEGORIES)].y = [usable] * len(names)
             self.fig.data[-1].x = names
             self.fig.data[-1].y = [e.comm_bus_bytes / GB for e in ests]
-        runnable = [e for e in rec.ranked if e.layout in DP_LAYOUTS]
+        runnable = runnable_choices(rec, self.training())
         options = [(f"{_label(e)}: %%distributed {e.magic_line(self.training())}", i) for i, e in enumerate(runnable)]
         self._runnable = runnable
         self.choice.options = options

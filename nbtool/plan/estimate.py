@@ -190,14 +190,14 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
         e.device.update(params=4 * shard, grads=4 * shard, optimizer=(8 if adam else 0) * shard)
         bus_dp = 2 * frac * shard * 4
         if tp > 1:
-            s, b, h = (t.seq or m.seq), t.micro_batch, m.hidden
+            s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
             bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * 2 * t.grad_accum
             e.comm_s += _collective_s(hw, tp, 4 * layers_here * t.grad_accum, bus_tp)
             e.comm_bus_bytes += bus_tp
             e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
         if pp > 1:
-            s, b, h = (t.seq or m.seq), t.micro_batch, m.hidden
+            s, b, h = seq, t.micro_batch, m.hidden
             micro = t.grad_accum
             p2p = 2 * micro * s * b * h * 2
             e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)

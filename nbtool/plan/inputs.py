@@ -123,6 +123,11 @@ class Hardware:
             return replace(self, intra_latency=fit.alpha_s, intra_bw=fit.bus_bandwidth, measured=True)
         return replace(self, inter_latency=fit.alpha_s, inter_bw=fit.bus_bandwidth, measured=True)
 
+    def with_devices(self, devices: int) -> "Hardware":
+        """The same kind of machine with ``devices`` devices (filling nodes of this size first)."""
+        per_node = min(self.devices_per_node, max(1, devices))
+        return self.scaled(nodes=max(1, -(-devices // per_node)), devices_per_node=per_node)
+
     def scaled(self, nodes: int | None = None, devices_per_node: int | None = None) -> "Hardware":
         return replace(self, nodes=nodes or self.nodes, devices_per_node=devices_per_node or self.devices_per_node)
 

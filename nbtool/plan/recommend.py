@@ -17,7 +17,7 @@ def _gb(x: float) -> str:
 def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[str, int, int]]:
     """(layout, tp, pp): every data-parallel layout, plus tensor x pipeline splits the shape allows."""
     out = [(name, 1, 1) for name in DP_LAYOUTS]
-    if m.layers and m.heads:
+    if m.layers and m.heads and m.hidden:
         for tp in (2, 4, 8):
             if tp > hw.devices_per_node or m.heads % tp or hw.devices % tp:
                 continue
@@ -55,8 +55,9 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
     """Estimate every candidate layout, keep those that fit, rank by time per sample then simplicity.
 
     Layouts within 10% of the fastest estimate tie, and the simplest of them
-    (DDP, then FSDP, then ZeRO, then tensor/pipeline parallel, then offload)
-    comes first: the estimates are not finer than that.
+    comes first (``estimate.PREFERENCE``: DDP, FSDP grad-op, ZeRO-2, ZeRO-1,
+    FSDP full shard, ZeRO-3, tensor/pipeline splits, then offload): the
+    estimates are not finer than that.
     """
     ests = [estimate(name, m, t, hw, tp, pp) for name, tp, pp in candidate_layouts(m, hw)]
     fit = [e for e in ests if e.fits]
@@ -88,6 +89,38 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
     if not fit and advise:
         rec.advice = _advice(m, t, hw, ests)
     return rec
+
+
+def runnable_choices(rec: "Recommendation", t: Training) -> list:
+    """The fitting layouts nbtool can run as they are, best first (their magic line validates)."""
+    from ..rank.strategies.spec import SpecError
+
+    out = []
+    for e in rec.ranked:
+        if not e.runnable:
+            continue
+        try:
+            _validate_line(e.magic_line(t))
+        except (SpecError, ValueError):
+            continue
+        out.append(e)
+    return out
+
+
+def _validate_line(line: str) -> None:
+    from ..rank.strategies.spec import StrategySpec, validate
+
+    words = line.split()
+    kw = {"precision": "fp32"}
+    it = iter(words[1:])
+    for w in it:
+        if w == "--precision":
+            kw["precision"] = next(it)
+        elif w == "--offload":
+            kw["offload"] = next(it)
+        elif w == "--no-reshard-after-forward":
+            kw["reshard_after_forward"] = False
+    validate(StrategySpec(words[0], **kw), None, "cuda")
 
 
 def _label(e: Estimate) -> str:

@@ -97,6 +97,15 @@ def _install_namespace(rank: int, world_size: int, device) -> None:
     )
 
 
+def rank_device():
+    """This rank's device: its GPU when the rank was given one (CUDA_VISIBLE_DEVICES), else the CPU."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def rank_info() -> dict:
     """Facts about this rank for ``%cluster status``."""
     import psutil

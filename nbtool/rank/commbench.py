@@ -3,8 +3,9 @@
 For each op and size: ``warmup`` untimed calls, then ``iters`` calls timed as
 one batch with the device synchronised only around the batch (CUDA events on
 GPUs, the wall clock on CPU), giving this rank's mean time per call. Then one
-more call on freshly filled buffers whose result is checked element by
-element, so a broken collective is reported as wrong rather than timed.
+more call on freshly filled buffers (outputs cleared first) whose result is
+checked element by element, so a broken collective is reported as wrong
+rather than timed.
 """
 from __future__ import annotations
 
@@ -95,8 +96,9 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
     n = len(ranks)
     me = ranks.index(me_global)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
+    from .bootstrap import rank_device
+
+    device = rank_device()
     cuda = device.type == "cuda"
     rows = []
     for op in ops:
@@ -120,10 +122,9 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
                 for _ in range(iters):
                     _call(op, inp, out, group)
                 seconds = (time.perf_counter() - t0) / iters
-            _fill(op, inp, n, me)
-            if op == "all_gather" and inplace:
-                out.zero_()
-                _fill(op, inp, n, me)
+            # a fresh call on cleared buffers: a collective that writes nothing must show as wrong
+            out.fill_(-7)
+            _fill(op, inp, n, me)  # after the clear: in-place inputs are views of the output
             _call(op, inp, out, group)
             wrong = int((out != _expected(op, out, n, me)).sum().item())
             row = {"op": op, "count": count, "size_bytes": count * inp.element_size(), "dtype": dtype_name,

@@ -26,6 +26,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from ..collectives import bandwidths, bus_factor
 from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
+from .bootstrap import rank_device
 
 # public function -> (op, which argument holds the tensor that defines S, how S follows from it)
 _WRAPPED = {
@@ -50,6 +51,14 @@ _WRAPPED = {
     "barrier": ("barrier", None, "none"),
 }
 
+# keyword names of the S-defining argument, by (position, kind)
+_KEYWORDS = {
+    (0, "same"): ("tensor", "output_tensor", "output"),
+    (0, "list"): ("tensor_list", "output_tensor_list", "tensors"),
+    (1, "same"): ("input_tensor", "input", "tensor"),
+    (1, "list"): ("input_list", "input_tensor_list"),
+}
+
 _local = threading.local()
 _active: "Recorder | None" = None
 
@@ -72,7 +81,7 @@ def _dtype(t) -> str:
 
 
 class Recorder:
-    def __init__(self, rank: int, interval: float = 0.25, publish: bool = True, step_source=None):
+    def __init__(self, rank: int, interval: float = 0.25, publish: bool = True):
         self.rank = rank
         self.interval = interval
         self.publish = publish
@@ -85,7 +94,9 @@ class Recorder:
         self._thread: threading.Thread | None = None
         self._originals: dict = {}
         self.step = 0
-        self._cuda = torch.cuda.is_available() and dist.get_backend() == "nccl"
+        device = rank_device()
+        self._cuda = device.type == "cuda"
+        self._device = device  # the sampler thread must not fall back to cuda:0
         self._pending_events: list = []
 
     # -- lifecycle -----------------------------------------------------------
@@ -162,22 +173,24 @@ class Recorder:
                 return fn(*args, **kwargs)
             _local.depth = 1
             try:
-                return recorder._call(fn, op, arg, name, args, kwargs)
+                return recorder._call(fn, op, arg, how, name, args, kwargs)
             finally:
                 _local.depth = 0
 
         wrapper._nbtool_wrapped = True
         return wrapper
 
-    def _call(self, fn, op, arg, name, args, kwargs):
-        group = kwargs.get("group")
-        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        tensor = None
-        if arg is not None:
-            keys = {0: ("tensor", "output_tensor", "output", "tensor_list", "output_tensor_list", "tensors"),
-                    1: ("input_tensor", "input", "input_list", "input_tensor_list", "tensor")}[arg]
-            tensor = args[arg] if len(args) > arg else next((kwargs[k] for k in keys if k in kwargs), None)
-        size = _nbytes(tensor)
+    def _call(self, fn, op, arg, how, name, args, kwargs):
+        try:
+            group = kwargs.get("group")
+            n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+            tensor = None
+            if arg is not None:
+                keys = _KEYWORDS[(arg, how)]
+                tensor = args[arg] if len(args) > arg else next((kwargs[k] for k in keys if k in kwargs), None)
+            size = _nbytes(tensor)
+        except Exception:  # an unusual call signature: record what is known, never break the call
+            n, tensor, size = dist.get_world_size(), None, 0
         self._seq += 1
         seq, step = self._seq, self.step
         t_issue = time.time()
@@ -224,9 +237,9 @@ class Recorder:
         rss, peak = _rss()
         sample = MemorySample(self.rank, time.time(), self.step, source, rss, peak)
         if self._cuda:
-            sample.cuda_allocated = torch.cuda.memory_allocated()
-            sample.cuda_reserved = torch.cuda.memory_reserved()
-            sample.cuda_peak = torch.cuda.max_memory_allocated()
+            sample.cuda_allocated = torch.cuda.memory_allocated(self._device)
+            sample.cuda_reserved = torch.cuda.memory_reserved(self._device)
+            sample.cuda_peak = torch.cuda.max_memory_allocated(self._device)
         if ledger is not None:
             sample.ledger = {k: v for k, v in ledger.as_dict().items()
                              if k in ("params", "grads", "master_params", "optimizer_state", "other", "offloaded")}

@@ -11,17 +11,13 @@ _last = None  # the strategy of the most recent strategy cell on this rank
 
 
 def build(spec: StrategySpec):
-    import torch
-    import torch.distributed as dist
-
+    from ..bootstrap import rank_device
     from .ddp import DDPStrategy
     from .fsdp import FSDPStrategy
     from .zero import ZeroStrategy
 
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        torch.cuda.is_available() and dist.get_backend() == "nccl") else torch.device("cpu")
     cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(spec.name, ZeroStrategy)
-    return cls(spec, device)
+    return cls(spec, rank_device())
 
 
 def install(spec: StrategySpec, metrics: bool = True) -> None:

@@ -109,12 +109,30 @@ def _to_device(batch, device):
     return batch
 
 
-class StepOptimizer:
-    """The optimizer handed back by prepare(): steps at accumulation boundaries."""
+class StepOptimizer(torch.optim.Optimizer):
+    """The optimizer handed back by prepare(): steps at accumulation boundaries.
 
-    def __init__(self, strategy: "Strategy", inner):
+    A torch Optimizer (so LR schedulers accept it) that owns no state: param
+    groups, state and state dicts are the wrapped optimizer's.
+    """
+
+    def __init__(self, strategy: "Strategy", inner):  # no super().__init__: nothing of its own
         self._strategy = strategy
         self.inner = inner
+        self._optimizer_step_pre_hooks = {}
+        self._optimizer_step_post_hooks = {}
+
+    @property
+    def param_groups(self):
+        return self.inner.param_groups
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @property
+    def defaults(self):
+        return getattr(self.inner, "defaults", {})
 
     def step(self, closure=None):
         return self._strategy._optimizer_step(closure)
@@ -123,7 +141,15 @@ class StepOptimizer:
         if self._strategy.at_boundary:
             self._strategy._zero_grad(set_to_none)
 
-    def __getattr__(self, name):  # param_groups, state, state_dict ...
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, state_dict):
+        return self.inner.load_state_dict(state_dict)
+
+    def __getattr__(self, name):  # anything else the wrapped optimizer offers
+        if name in ("inner", "_strategy"):
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def __repr__(self):

@@ -123,7 +123,11 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
 
 
 def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
-    """The DeepSpeed JSON for ``spec``: the user's --ds-config, then the options on top.
+    """The DeepSpeed JSON for ``spec``: the user's --ds-config, with the options filled in.
+
+    Options given on the line replace the file's values (stage, offload,
+    buckets, precision, clipping); ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` from the file are kept when present.
 
     Runs on a torch optimizer passed as DeepSpeed's client optimizer (no C++
     op to compile), hence zero_allow_untested_optimizer and, with optimizer
@@ -133,7 +137,7 @@ def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
     cfg.setdefault("train_micro_batch_size_per_gpu", spec.micro_batch)
     cfg.setdefault("gradient_accumulation_steps", spec.grad_accum)
     cfg.pop("train_batch_size", None)  # derived by DeepSpeed: micro * accum * world
-    # DeepSpeed clips at norm 1.0 unless told otherwise; DDP and FSDP never do.
+    # DeepSpeed 0.19's default gradient_clipping is 1.0 (constants.py); DDP and FSDP never clip.
     # Say it explicitly so the same cell means the same maths under every strategy.
     if spec.grad_clip is not None or "gradient_clipping" not in cfg:
         cfg["gradient_clipping"] = spec.grad_clip or 0.0

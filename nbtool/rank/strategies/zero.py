@@ -87,8 +87,6 @@ class ZeroStrategy(Strategy):
         if stage == 3:
             for p in module_params:
                 tally.add("params", p.ds_tensor, off_param)
-            for p in module_params:
-                tally.add("params", p.data)  # persistent small params stay whole on every rank
             tally.add("grads", getattr(opt, "grad_partitions_flat_buffer", None))
             masters = getattr(opt, "fp32_partitioned_groups_flat", [])
         else:
@@ -99,6 +97,8 @@ class ZeroStrategy(Strategy):
                     tally.add("grads", g)
             masters = getattr(opt, "single_partition_of_fp32_groups", [])
         for p in module_params:
+            # stage 1-2: views of the flat buffer (counted once); stage 3: persistent small
+            # params, which stay whole on every rank
             tally.add("params", p.data)
             tally.add("grads", p.grad)
         for m in masters:
