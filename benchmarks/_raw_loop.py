@@ -25,6 +25,17 @@ def main():
     name, steps, warmup = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["WORLD_SIZE"])))
     dist.init_process_group("gloo")
+    times = train_steps(name, steps, warmup)
+    if dist.get_rank() == 0:
+        print(json.dumps(times))
+    dist.destroy_process_group()
+
+
+_ds_ready = []
+
+
+def train_steps(name: str, steps: int, warmup: int) -> list[float]:
+    """The hand-written loop on an initialised process group; per-step wall times after warm-up."""
     torch.manual_seed(0)
     model = TinyTransformer(**MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -35,8 +46,10 @@ def main():
         import deepspeed
         import deepspeed.ops as ops
 
-        vars(ops)["__compatible_ops__"] = {"deepspeed_shm_comm": False}
-        deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
+        if not _ds_ready:
+            vars(ops).setdefault("__compatible_ops__", {"deepspeed_shm_comm": False})
+            deepspeed.init_distributed("gloo", auto_mpi_discovery=False)
+            _ds_ready.append(True)
         cfg = deepspeed_config(StrategySpec(name), dist.get_world_size())
         model, opt, _, _ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
         backward, step = model.backward, model.step
@@ -53,9 +66,7 @@ def main():
         times.append(time.perf_counter() - t0)
         if i + 1 == warmup + steps:
             break
-    if dist.get_rank() == 0:
-        print(json.dumps(times[warmup:]))
-    dist.destroy_process_group()
+    return times[warmup:]
 
 
 if __name__ == "__main__":

@@ -1,10 +1,16 @@
 """Per-step cost of nbtool's strategy layer against hand-written torchrun loops.
 
+The nbtool cells run with ``--no-metrics``: this measures the strategy layer
+(prepare, the optimizer proxy, the ledger at each step); the recorder's own
+cost is benchmarks/metrics_overhead.py's subject.
+
 On the same 2 CPU ranks (gloo), the same model, data and loop run
 - as ``%%distributed ddp`` / ``%%distributed zero3`` cells (strategy.prepare,
   strategy.backward, the StepOptimizer proxy and the ledger snapshot per step),
 - as a plain script under torchrun (DDP / deepspeed.initialize with the same
   DeepSpeed config).
+- and, to separate the strategy layer from the engine process it runs in,
+  the torchrun script's loop called inside the same engines.
 Each runs ``--rounds`` times, alternating, and the median per-step wall time
 of rank 0 is compared. Prints ``strategy_overhead_ratio=<worst of the two>``
 last; target <= 1.05.
@@ -34,6 +40,14 @@ def raw(name: str, steps: int, warmup: int) -> list[float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def in_engine(view, name: str, steps: int, warmup: int) -> float:
+    """The torchrun loop's body run inside the cluster's engines (no nbtool strategy layer)."""
+    import _raw_loop
+
+    times = view.apply_sync(_raw_loop.train_steps, name, steps, warmup)
+    return statistics.median(times[0])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
@@ -42,17 +56,23 @@ def main() -> None:
     a = ap.parse_args()
     ip = shell()
     ip.run_line_magic("cluster", "start -n 2")
+    from _shell import nbtool_cluster
+
+    view = nbtool_cluster(ip).view([0, 1])
+    view.apply_sync(lambda p: __import__("sys").path.insert(0, p), str(HERE))
     ratios = {}
     for name in ("ddp", "zero3"):
-        nb, hand = [], []
+        nb, hand, eng = [], [], []
         for _ in range(a.rounds):
             hand.append(statistics.median(raw(name, a.steps, a.warmup)))
-            nb.append(median_step(ip, name, a.steps, a.warmup))
-        nb_s, hand_s = statistics.median(nb), statistics.median(hand)
+            nb.append(median_step(ip, f"{name} --no-metrics", a.steps, a.warmup))
+            eng.append(in_engine(view, name, a.steps, a.warmup))
+        nb_s, hand_s, eng_s = statistics.median(nb), statistics.median(hand), statistics.median(eng)
         ratios[name] = nb_s / hand_s
         print(f"{name:6} per-step median: nbtool {nb_s * 1e3:7.2f} ms   torchrun {hand_s * 1e3:7.2f} ms   "
-              f"ratio {ratios[name]:.3f}   (rounds nbtool {[round(t * 1e3, 1) for t in nb]}, "
-              f"torchrun {[round(t * 1e3, 1) for t in hand]})")
+              f"ratio {ratios[name]:.3f}   | same hand-written loop inside the engines {eng_s * 1e3:7.2f} ms: "
+              f"strategy layer alone x{nb_s / eng_s:.3f}   (rounds nbtool {[round(t * 1e3, 1) for t in nb]}, "
+              f"torchrun {[round(t * 1e3, 1) for t in hand]}, in-engine {[round(t * 1e3, 1) for t in eng]})")
     ip.run_line_magic("cluster", "stop")
     print(f"strategy_overhead_ratio={max(ratios.values()):.3f}")
 
