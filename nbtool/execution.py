@@ -84,6 +84,7 @@ def run_cell(
     ar = view.execute(code, silent=False, block=False)
     children = list(zip(ranks, ar._children))
     out = RankOutputView(in_kernel=in_kernel, enabled=not quiet)
+    out.start()
 
     def texts():
         return [snapshot(r, f.output.metadata) for r, f in children]

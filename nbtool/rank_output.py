@@ -81,6 +81,16 @@ class RankOutputView:
     _shown: str = ""
     _printed: dict = field(default_factory=dict)  # (rank, stream) -> chars printed
 
+    def start(self) -> None:
+        """Put the (blank) live display under the cell now, whether or not output comes.
+
+        Every cell then has the same output structure however long it runs,
+        which keeps executed notebooks (and nbval's comparisons) deterministic.
+        """
+        if self.in_kernel and self.enabled and self._display_id is None:
+            self._display_id = f"nbtool-{id(self)}-{time.monotonic()}"
+            display({"text/plain": ""}, raw=True, display_id=self._display_id)
+
     def update(self, texts: list[RankText], force: bool = False) -> None:
         if not self.enabled:
             return
@@ -92,10 +102,7 @@ class RankOutputView:
             text = grouped(texts)
             if text == self._shown:
                 return
-            if self._display_id is None:
-                # start blank: nbval records the first version of a display only
-                self._display_id = f"nbtool-{id(self)}-{now}"
-                display({"text/plain": ""}, raw=True, display_id=self._display_id)
+            self.start()  # blank first: nbval records the first version of a display only
             update_display({"text/plain": text}, raw=True, display_id=self._display_id)
             self._shown = text
         else:
