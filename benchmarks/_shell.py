@@ -8,6 +8,13 @@ def shell():
     return ip
 
 
+def cluster_shell(n: int = 2):
+    """A shell with nbtool loaded and an n-rank cluster started."""
+    ip = shell()
+    ip.run_line_magic("cluster", f"start -n {n}")
+    return ip
+
+
 def nbtool_cluster(ip):
     return ip.magics_manager.registry["NbtoolMagics"].rank_cluster
 

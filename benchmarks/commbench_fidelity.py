@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _shell import nbtool_cluster, shell
+from _shell import cluster_shell, nbtool_cluster
 
 SIZES = [2**20 * k for k in (1, 2, 4, 8, 16, 32, 64)]
 
@@ -40,8 +40,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    ip = shell()
-    ip.run_line_magic("cluster", "start -n 2")
+    ip = cluster_shell()
     view = nbtool_cluster(ip).view([0, 1])
     nb = {s: [] for s in SIZES}
     raw = {s: [] for s in SIZES}

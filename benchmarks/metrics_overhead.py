@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from _shell import median_step, shell
+from _shell import cluster_shell, median_step
 
 def main() -> None:
     ap = argparse.ArgumentParser()
@@ -19,8 +19,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=4)
     a = ap.parse_args()
-    ip = shell()
-    ip.run_line_magic("cluster", "start -n 2")
+    ip = cluster_shell()
     ratios = {}
     for name in ("ddp", "zero3"):
         on, off = [], []

@@ -25,7 +25,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _shell import median_step, shell
+from _shell import cluster_shell, median_step, nbtool_cluster
 
 HERE = Path(__file__).resolve().parent
 
@@ -54,10 +54,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()
-    ip = shell()
-    ip.run_line_magic("cluster", "start -n 2")
-    from _shell import nbtool_cluster
-
+    ip = cluster_shell()
     view = nbtool_cluster(ip).view([0, 1])
     view.apply_sync(lambda p: __import__("sys").path.insert(0, p), str(HERE))
     ratios = {}

@@ -5,7 +5,6 @@ import _thread
 import threading
 import time
 
-import psutil
 import pytest
 from IPython.core.error import UsageError
 

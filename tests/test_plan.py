@@ -31,7 +31,7 @@ def test_matches_deepspeed_estimators(nodes, per_node):
     m = MODEL_PRESETS["13B (Llama-2-13B shape)"]
     hw = HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=nodes, devices_per_node=per_node)
     t = Training(precision="bf16", optimizer="adamw")
-    psi, n = m.params, nodes * per_node
+    psi = m.params
     est = {name: estimate(name, m, t, hw) for name in
            ("zero2", "zero2-offload", "zero3", "zero3-offload-optimizer", "zero3-offload")}
 

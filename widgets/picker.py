@@ -140,14 +140,13 @@ class Picker:
         self.message.value = f"Wrote <code>{html.escape(line)}</code> into a new cell below."
 
     def export(self) -> str | None:
-        from nbtool.magics import parse_strategy_line
         from nbtool.rank.strategies.spec import deepspeed_config, dumps_config
 
         e = self.selected()
         if e is None or not e.layout.startswith("zero"):
             self.message.value = "Only ZeRO layouts have a DeepSpeed config; FSDP/DDP options are the magic line."
             return None
-        spec = parse_strategy_line(e.magic_line(self.training()))
+        spec = e.spec(self.training())
         text = dumps_config(deepspeed_config(spec, e.dp))
         with open(self.export_path.value, "w") as f:
             f.write(text)

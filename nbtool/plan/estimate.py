@@ -126,6 +126,19 @@ class Estimate:
             words.append(f"--micro-batch {t.micro_batch}")
         return " ".join(words)
 
+    def spec(self, t: Training | None = None):
+        """The StrategySpec the magic line asks for (DP layouts only), for validation and configs."""
+        from ..rank.strategies.spec import StrategySpec
+
+        t = t or Training()
+        name = {"fsdp-grad-op": "fsdp"}.get(self.layout, self.layout.split("-")[0])
+        offload = {"zero2-offload": "optimizer", "zero3-offload-optimizer": "optimizer",
+                   "zero3-offload": "both"}.get(self.layout)
+        return StrategySpec(name, precision=t.precision, grad_accum=t.grad_accum,
+                            activation_checkpointing="" if t.checkpointing != "none" else None,
+                            reshard_after_forward=self.layout != "fsdp-grad-op", offload=offload,
+                            micro_batch=t.micro_batch if name.startswith("zero") else 8)
+
     def _strategy_words(self) -> str:
         return {
             "ddp": "ddp", "fsdp": "fsdp", "fsdp-grad-op": "fsdp --no-reshard-after-forward",

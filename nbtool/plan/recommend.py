@@ -92,35 +92,19 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
 
 
 def runnable_choices(rec: "Recommendation", t: Training) -> list:
-    """The fitting layouts nbtool can run as they are, best first (their magic line validates)."""
-    from ..rank.strategies.spec import SpecError
+    """The fitting layouts nbtool can run as they are, best first (their options validate)."""
+    from ..rank.strategies.spec import SpecError, validate
 
     out = []
     for e in rec.ranked:
         if not e.runnable:
             continue
         try:
-            _validate_line(e.magic_line(t))
-        except (SpecError, ValueError):
+            validate(e.spec(t), None, "cuda")
+        except SpecError:
             continue
         out.append(e)
     return out
-
-
-def _validate_line(line: str) -> None:
-    from ..rank.strategies.spec import StrategySpec, validate
-
-    words = line.split()
-    kw = {"precision": "fp32"}
-    it = iter(words[1:])
-    for w in it:
-        if w == "--precision":
-            kw["precision"] = next(it)
-        elif w == "--offload":
-            kw["offload"] = next(it)
-        elif w == "--no-reshard-after-forward":
-            kw["reshard_after_forward"] = False
-    validate(StrategySpec(words[0], **kw), None, "cuda")
 
 
 def _label(e: Estimate) -> str:

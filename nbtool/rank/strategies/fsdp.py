@@ -8,7 +8,6 @@ parameter not in a wrapped unit.
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from .base import Strategy, StrategyError, Tally
 

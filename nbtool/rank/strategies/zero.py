@@ -7,7 +7,6 @@ shared-memory comm op is skipped for the same reason.
 """
 from __future__ import annotations
 
-import torch
 
 from .base import Strategy, Tally
 from .spec import deepspeed_config
