@@ -23,3 +23,12 @@ def unload_ipython_extension(ipython):
         _magics.rank_cluster.stop()
         _magics.rank_cluster = None
     _magics = None
+
+
+def current_cluster():
+    """The running cluster of this kernel (a nbtool.cluster.RankCluster), or None.
+
+    Its ``last_hang`` holds the watchdog's last report (``.summary()``,
+    ``.text()``), ``group_closed`` why collectives are unusable, if they are.
+    """
+    return _magics.rank_cluster if _magics is not None else None

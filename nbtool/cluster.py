@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import signal
 import socket
+import tempfile
 import time
 from typing import Callable
 
@@ -56,6 +59,12 @@ class RankCluster:
         self.engine_ids: list[int] = []  # index = rank
         self._views: dict[tuple[int, ...], ipp.DirectView] = {}
         self.started_s: float | None = None
+        self.pids: list[int] = []  # engine process per rank
+        # why the process group can no longer run collectives (None: it can)
+        self.group_closed: str | None = None
+        self.collective_timeout: float = options.collective_timeout  # what the engines use now
+        self._store_dir: str | None = None
+        self.last_hang = None  # the watchdog's last HangReport (nbtool.faults)
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
@@ -74,6 +83,10 @@ class RankCluster:
         t0 = time.perf_counter()
         n, timeout = self.layout.n, self.options.timeout
         deadline = t0 + timeout
+        self.group_closed = None
+        self.collective_timeout = self.options.collective_timeout
+        # the ranks' rendezvous file lives here, readable by this user only (mkdtemp: 0700)
+        self._store_dir = tempfile.mkdtemp(prefix="nbtool-")
         progress(f"starting {n} engine(s) ...")
         self._cluster = ipp.Cluster(
             n=n,
@@ -118,6 +131,8 @@ class RankCluster:
         port = free_port()
         devices = physical_visible_devices(list(self.layout.gpus)) if self.layout.gpus else None
         controller_pid = getattr(getattr(self._cluster.controller, "process", None), "pid", None)
+        # removed by the engines if the kernel dies without stopping the cluster
+        cleanup = (self._store_dir, getattr(self._cluster, "cluster_file", None))
         pending = [
             self.client[eid].apply_async(
                 bootstrap.init_rank,
@@ -131,13 +146,17 @@ class RankCluster:
                 timeout_s=self.options.timeout,
                 kernel_pid=os.getpid(),
                 controller_pid=controller_pid,
+                store_path=os.path.join(self._store_dir, "rendezvous"),
+                collective_timeout_s=self.collective_timeout,
+                cleanup_paths=tuple(p for p in cleanup if p),
             )
             for rank, eid in enumerate(self.engine_ids)
         ]
+        self.pids = []
         for rank, ar in enumerate(pending):
             left = max(0.1, deadline - time.perf_counter())
             try:
-                ar.get(timeout=left)
+                self.pids.append(ar.get(timeout=left)["pid"])
             except ipp.error.TimeoutError:
                 raise ClusterError(
                     f"rank {rank} did not join the {self.layout.backend} process group "
@@ -146,11 +165,23 @@ class RankCluster:
             except ipp.error.RemoteError as e:
                 raise ClusterError(f"rank {rank} failed to initialise: {e.ename}: {e.evalue}") from None
 
+    def restart(self, progress: Progress = lambda m: None) -> None:
+        """Fresh engines and process group with the same options, in this object."""
+        self.stop()
+        try:
+            self._start(progress)
+        except BaseException:
+            self.stop()
+            raise
+
     def stop(self) -> None:
         """Stop engines and controller; safe to call twice."""
         cluster, self._cluster = self._cluster, None
         client, self.client = self.client, None
         self._views.clear()
+        if self._store_dir:
+            shutil.rmtree(self._store_dir, ignore_errors=True)
+            self._store_dir = None
         if client is not None:
             try:
                 client.close()
@@ -187,6 +218,69 @@ class RankCluster:
     def rank_of(self, engine_id: int) -> int:
         return self.engine_ids.index(engine_id)
 
+    def lost_ranks(self) -> list[int]:
+        """Ranks whose engine is no longer registered with the controller."""
+        alive = set(self.client.ids) if self.client is not None else set()
+        return [r for r, eid in enumerate(self.engine_ids) if eid not in alive]
+
+    def exit_reason(self, rank: int) -> str:
+        """How rank's engine process ended, as far as can be known.
+
+        ipyparallel's launcher reaps the process on a thread and reports the
+        exit code only through its event loop, so the code is often unknown;
+        the engine's log then tells a native crash (faulthandler's report)
+        from a process that vanished without one (a signal such as SIGKILL).
+        """
+        pid = self.pids[rank] if rank < len(self.pids) else None
+        code = None
+        for launcher in _engine_launchers(self._cluster):
+            if getattr(launcher, "pid", None) == pid:
+                code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
+        if code is not None and code < 0:
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                return f"killed by signal {-code}"
+        if code is not None:
+            return f"exited with code {code}"
+        tail = _tail(self.log_file(rank))
+        for marker, what in (("Segmentation fault", "crashed: segmentation fault in native code"),
+                             ("Fatal Python error: Aborted", "crashed: abort() in native code"),
+                             ("Bus error", "crashed: bus error in native code"),
+                             ("Fatal Python error", "crashed: fatal Python error")):
+            if marker in tail:
+                return what + " (the Python stack is in its log)"
+        return ("its process vanished without a Python error: killed by a signal "
+                "(SIGKILL from kill -9 or the out-of-memory killer) or os._exit")
+
+    def log_file(self, rank: int) -> str | None:
+        """The engine's own log (its stderr: faulthandler stacks, native errors)."""
+        pid = self.pids[rank] if rank < len(self.pids) else None
+        for launcher in _engine_launchers(self._cluster):
+            if getattr(getattr(launcher, "process", None), "pid", None) == pid:
+                return getattr(launcher, "output_file", None)
+        return None
+
+    def close_group(self, ranks: list[int], reason: str, timeout: float = 5.0) -> None:
+        """Tear down the process group on idle ``ranks`` (see bootstrap.close_process_group)."""
+        self.group_closed = reason
+        if ranks:
+            ar = self.view(ranks).apply_async(bootstrap.close_process_group)
+            try:
+                ar.get(timeout=timeout)
+            except Exception:
+                pass
+
+    def set_collective_timeout(self, seconds: float) -> None:
+        """Tell every live engine's watchdog the per-collective timeout (only when it changes)."""
+        if seconds == self.collective_timeout:
+            return
+        from .rank import watchdog
+
+        alive = [r for r in range(self.world_size) if r not in self.lost_ranks()]
+        self.view(alive).apply_sync(watchdog.configure, seconds)
+        self.collective_timeout = seconds
+
     def signal(self, ranks: list[int], sig: str = "SIGINT") -> None:
         """Deliver a signal to the ranks' engine processes (through their nannies)."""
         self.client.send_signal(sig, targets=[self.engine_ids[r] for r in ranks], block=True)
@@ -213,6 +307,27 @@ class RankCluster:
                 row["state"] = f"error: {e.ename}"
             rows.append(row)
         return sorted(rows, key=lambda r: r["rank"])
+
+
+def _tail(path: str | None, nbytes: int = 4096) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - nbytes))
+            return f.read().decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _engine_launchers(cluster) -> list:
+    if cluster is None:
+        return []
+    out = []
+    for engine_set in cluster.engines.values():
+        out.extend(getattr(engine_set, "launchers", {}).values())
+    return out
 
 
 def _wait_launcher(launcher, timeout: float = 10.0) -> None:

@@ -6,35 +6,47 @@ ipyparallel's network thread.
 """
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass
 
 import ipyparallel as ipp
 
+from . import faults
 from .cluster import RankCluster
 from .options import label_ranks
 from .rank_output import RankOutputView, snapshot
 
 TICK_S = 0.05
-INTERRUPT_GRACE_S = 5.0
+# after a rank fails, how long the others may keep running before they are stopped
+# (they are usually released at once: a dead peer breaks their collective)
+PEER_GRACE_S = 2.0
 
 
 class RankError(Exception):
-    """One or more ranks raised; shows each distinct error once with its ranks."""
+    """One or more ranks raised; shows each distinct error once with its ranks.
 
-    def __init__(self, groups: list[tuple[list[int], object]]):
+    The cause comes first (a dead rank, then real errors), errors that follow
+    from it (a peer's closed connection, an interrupt) after; ``notes`` say what
+    nbtool did about it.
+    """
+
+    def __init__(self, groups: list[tuple[list[int], object]], notes: list[str] | None = None):
         self.groups = groups  # [(ranks, RemoteError-like)], first = shown first
+        self.notes = [n for n in (notes or []) if n]
         first_ranks, first = groups[0]
         super().__init__(_headline(first_ranks, first))
 
     def _render_traceback_(self):
         lines: list[str] = []
-        for ranks, err in self.groups:
+        for i, (ranks, err) in enumerate(self.groups):
             lines.append(_headline(ranks, err))
             tb = getattr(err, "traceback", None)
-            if tb:
+            # a consequence (a peer's closed connection, the interrupt nbtool sent) needs no traceback
+            if tb and not (i and faults.is_consequential(err)):
                 lines.extend(tb.splitlines())
             lines.append("")
+        lines.extend(f"nbtool: {n}" for n in self.notes)
         return lines
 
 
@@ -70,21 +82,27 @@ def run_cell(
     timeout: float | None = None,
     quiet: bool = False,
     on_tick=None,
+    progress=None,
 ) -> CellResult:
     """Execute ``code`` on ``ranks`` and block until every one is done.
 
-    Raises RankError (some rank raised), CellTimeout (``timeout`` passed;
-    unfinished ranks were interrupted) or RanksInterrupted (Ctrl-C, forwarded
-    to the ranks as SIGINT). ``quiet`` hides the ranks' output, not errors.
-    ``on_tick(children)`` is called from this (the kernel's main) thread on
-    every wait tick, with the (rank, message future) pairs, to read live data.
+    Raises RankError (some rank raised or died; the others were stopped
+    after PEER_GRACE_S), CellTimeout (``timeout`` passed; unfinished ranks
+    were interrupted) or RanksInterrupted (Ctrl-C, forwarded to the ranks as
+    SIGINT). Ranks that an interrupt cannot stop (blocked in a collective)
+    are released by ``faults.release``. The hang watchdog's reports are
+    printed while the cell runs. ``quiet`` hides the ranks' output, not
+    errors. ``on_tick(children)`` is called from this (the kernel's main)
+    thread on every wait tick, with the (rank, message future) pairs.
     """
+    progress = progress or (lambda m: print(f"nbtool: {m}", file=sys.stderr, flush=True))
     view = cluster.view(ranks)
     t0 = time.perf_counter()
     ar = view.execute(code, silent=False, block=False)
     children = list(zip(ranks, ar._children))
     out = RankOutputView(in_kernel=in_kernel, enabled=not quiet)
     out.start()
+    hangs = faults.HangWatch(cluster, children)
 
     def texts():
         return [snapshot(r, f.output.metadata) for r, f in children]
@@ -92,12 +110,18 @@ def run_cell(
     def unfinished():
         return [r for r, f in children if not f.done()]
 
-    stop_reason = None
+    stop_reason, failed_at = None, None
     try:
         while not ar.wait(TICK_S):
             out.update(texts())
             if on_tick is not None:
                 on_tick(children)
+            hangs.tick()
+            if failed_at is None and any(f.done() and _error_of(f) is not None for _, f in children):
+                failed_at = time.perf_counter()
+            if failed_at is not None and time.perf_counter() - failed_at > PEER_GRACE_S:
+                stop_reason = "failure"
+                break
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 stop_reason = "timeout"
                 break
@@ -106,46 +130,38 @@ def run_cell(
 
     # a timeout or Ctrl-C that lands after every rank finished: the cell simply finished
     late = unfinished() if stop_reason else []
-    if stop_reason and late:
-        stuck = _interrupt(cluster, ar, children, late)
-        ar.wait_for_output(1.0)
+    released = None
+    if late:
+        outputs = {r: t for r, t in zip(ranks, texts())}
+        released = faults.release(cluster, ar, children, late, progress)
+        if not released.restarted:
+            ar.wait_for_output(1.0)
+            outputs = {r: t for r, t in zip(ranks, texts())}
+        out.finish([outputs[r] for r in ranks])
+        if stop_reason != "failure":
+            what = (f"cell exceeded --timeout {timeout:g}s; {label_ranks(late)} had not finished"
+                    if stop_reason == "timeout" else f"interrupted {label_ranks(late)}")
+            if released.released or released.restarted:
+                what += "; " + released.note()
+            else:
+                what += " (they stopped; the cluster is ready)"
+            raise (CellTimeout if stop_reason == "timeout" else RanksInterrupted)(what)
+    else:
+        ar.wait_for_output(5.0)
         out.finish(texts())
-        what = (
-            f"cell exceeded --timeout {timeout:g}s; {label_ranks(late)} had not finished"
-            if stop_reason == "timeout"
-            else f"interrupted {label_ranks(late)}"
-        )
-        if stuck:
-            what += (
-                f"; {label_ranks(stuck)} did not stop within {INTERRUPT_GRACE_S:g}s "
-                "(blocked in native code, e.g. a collective): %cluster restart to recover"
-            )
-        else:
-            what += " (they stopped; the cluster is ready)"
-        if stop_reason == "timeout":
-            raise CellTimeout(what)
-        raise RanksInterrupted(what)
-
-    ar.wait_for_output(5.0)
-    out.finish(texts())
-    if not quiet:
+    if not quiet and not (released and released.restarted):
         _show_rich_outputs(children, ranks[0])
-    errors = _collect_errors(children)
+    errors = _collect_errors(cluster, children, texts() if not (released and released.restarted) else None)
     if errors:
-        raise RankError(errors)
+        notes = [released.note() if released else ""]
+        if any(getattr(e, "ename", "") == "RankDied" for _, e in errors) and not (released and released.restarted):
+            cluster.group_closed = cluster.group_closed or "a rank died"
+            notes.append(f"{label_ranks(cluster.lost_ranks())} gone; %cluster restart brings back "
+                         f"{cluster.world_size} rank(s)")
+        raise RankError(errors, notes)
+    if released is not None and released.restarted:
+        raise RankError([(late, faults.RankFailure("RanksRestarted", released.note()))])
     return CellResult(ranks, time.perf_counter() - t0, ar)
-
-
-def _interrupt(cluster: RankCluster, ar, children, late: list[int]) -> list[int]:
-    """SIGINT the ranks still running; return those still running after the grace period."""
-    if not late:
-        return []
-    try:
-        cluster.signal(late, "SIGINT")
-    except Exception:
-        return late
-    ar.wait(INTERRUPT_GRACE_S)
-    return [r for r, f in children if not f.done()]
 
 
 def _show_rich_outputs(children, rank: int) -> None:
@@ -162,13 +178,29 @@ def _show_rich_outputs(children, rank: int) -> None:
             shell.display_pub.publish(data=content["data"], metadata=content.get("metadata") or {})
 
 
-def _collect_errors(children) -> list[tuple[list[int], object]]:
+def _error_of(f):
+    """The RemoteError of a finished execute request, or None (they resolve to it, not raise it)."""
+    err = f.exception() or f.result()
+    return err if isinstance(err, BaseException) else None
+
+
+def _collect_errors(cluster, children, texts) -> list[tuple[list[int], object]]:
+    """Distinct errors with their ranks: dead ranks, then causes, then consequences."""
     by_key: dict[tuple[str, str], tuple[list[int], object]] = {}
-    for rank, f in children:
-        # execute requests resolve to the RemoteError rather than raising it
-        err = f.exception() or f.result()
-        if not isinstance(err, BaseException):
+    for i, (rank, f) in enumerate(children):
+        if not f.done():
             continue
+        err = _error_of(f)
+        if err is None:
+            continue
+        if faults.is_engine_death(err):
+            err = faults.death_record(cluster, rank, texts[i] if texts else "")
         key = (getattr(err, "ename", type(err).__name__), getattr(err, "evalue", str(err)))
         by_key.setdefault(key, ([], err))[0].append(rank)
-    return sorted(by_key.values(), key=lambda g: g[0][0])
+
+    def order(group):
+        ranks, err = group
+        kind = 0 if getattr(err, "ename", "") == "RankDied" else 2 if faults.is_consequential(err) else 1
+        return kind, ranks[0]
+
+    return sorted(by_key.values(), key=order)

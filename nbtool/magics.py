@@ -7,7 +7,8 @@ from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
 from .options import (
     BACKENDS,
@@ -28,6 +29,14 @@ from .rank.strategies.spec import OFFLOADS, PRECISIONS
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
 
+def parse_argstring(magic, line: str):
+    """IPython's parser, with shell-quoting mistakes (an unclosed quote) as UsageErrors too."""
+    try:
+        return _parse_argstring(magic, line)
+    except ValueError as e:  # shlex: "No closing quotation", "No escaped character"
+        raise UsageError(f"cannot split {line!r}: {e}; close the quote or escape it") from None
+
+
 def _cell_options(f):
     """Options shared by %%distributed and %%rank."""
     for a in (
@@ -35,6 +44,9 @@ def _cell_options(f):
                  help="stop the cell after SECONDS, naming the ranks that had not finished"),
         argument("--quiet", action="store_true",
                  help="show nothing but errors (no rank output, no nbtool messages)"),
+        argument("--collective-timeout", type=positive_seconds, default=None, metavar="SECONDS",
+                 help="the hang watchdog reports a collective still running after SECONDS "
+                      "(default: the cluster's, 60)"),
     ):
         f = a(f)
     return f
@@ -81,6 +93,10 @@ def _strategy_options(f):
         argument("--no-watch", dest="watch", action="store_false", default=True,
                  help="record, but show no live dashboard under the cell"),
         argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
+        argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
+                 help="save a checkpoint (strategy.save) every N optimizer steps"),
+        argument("--checkpoint-dir", default=None, metavar="DIR",
+                 help="where --checkpoint-every saves (default: ./checkpoints)"),
     ):
         f = a(f)
     return f
@@ -88,7 +104,7 @@ def _strategy_options(f):
 
 def parse_strategy_line(line: str, backend: str | None = None, device_kind: str = "cuda"):
     """The StrategySpec a ``%%distributed STRATEGY ...`` line (without ``%%distributed``) asks for."""
-    args = NbtoolMagics.distributed.parser.parse_argstring(line)
+    args = parse_argstring(NbtoolMagics.distributed, line)
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)}")
     return strategy_spec(args, backend, device_kind)
@@ -96,7 +112,7 @@ def parse_strategy_line(line: str, backend: str | None = None, device_kind: str 
 
 @magics_class
 class NbtoolMagics(Magics):
-    """%cluster, %%distributed, %%rank, %dist_push, %dist_pull."""
+    """%cluster, %%distributed, %%rank, %dist_push, %dist_pull, %commbench, %dist_plan, %dist_checkpoint ..."""
 
     def __init__(self, shell):
         super().__init__(shell)
@@ -121,6 +137,8 @@ class NbtoolMagics(Magics):
     @argument("--gpus", default=None, help="GPU ids to use, one per rank, e.g. 0,1 or 0-3")
     @argument("--timeout", type=positive_seconds, default=None,
               help="seconds allowed for engines to start and join the process group (default 120)")
+    @argument("--collective-timeout", type=positive_seconds, default=None, metavar="SECONDS",
+              help="default for the hang watchdog: report a collective still running after SECONDS (60)")
     @line_magic
     def cluster(self, line=""):
         """Start, inspect, stop or restart the cluster of ranks.
@@ -135,7 +153,8 @@ class NbtoolMagics(Magics):
 
         args = parse_argstring(self.cluster, line)
         start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
-                                         ("--gpus", args.gpus), ("--timeout", args.timeout)) if v is not None}
+                                         ("--gpus", args.gpus), ("--timeout", args.timeout),
+                                         ("--collective-timeout", args.collective_timeout)) if v is not None}
         if args.action != "start" and start_opts:
             raise UsageError(f"{', '.join(start_opts)} only apply to %cluster start, not {args.action}")
         if args.action == "start":
@@ -144,6 +163,7 @@ class NbtoolMagics(Magics):
                 backend=args.backend or "auto",
                 gpus=tuple(parse_int_list(args.gpus, "--gpus")) if args.gpus else None,
                 timeout=args.timeout or 120.0,
+                collective_timeout=args.collective_timeout or 60.0,
             )
             if self.rank_cluster is not None and self.rank_cluster.running:
                 raise UsageError(
@@ -159,10 +179,9 @@ class NbtoolMagics(Magics):
             session.stop(self.rank_cluster)
             self.rank_cluster = None
         else:
-            old = self._require_cluster()
-            session.stop(old)
-            self.rank_cluster = None
-            self.rank_cluster = session.start(old.options, self.in_kernel)
+            if self.rank_cluster is None:
+                raise UsageError(NO_CLUSTER)
+            session.restart(self.rank_cluster, self.in_kernel)
 
     # -- %%distributed / %%rank -------------------------------------------
     @magic_arguments()
@@ -212,7 +231,7 @@ class NbtoolMagics(Magics):
 
         session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
                              quiet=args.quiet, export_config=args.export_config, metrics=args.metrics,
-                             watch=args.watch, name=args.name)
+                             watch=args.watch, name=args.name, collective_timeout=args.collective_timeout)
 
     def _compare(self, line: str, cell: str):
         """%%distributed compare ddp, fsdp --precision bf16, zero3 --offload both"""
@@ -229,7 +248,7 @@ class NbtoolMagics(Magics):
             )
         cluster = self._require_cluster()
         runs, seen = [], set()
-        timeout, quiet = None, False
+        timeout, quiet, collective_timeout = None, False, None
         for seg in segments:
             args = parse_argstring(self.distributed, seg)
             if args.strategy not in STRATEGIES:
@@ -239,14 +258,16 @@ class NbtoolMagics(Magics):
                 if bad:
                     raise UsageError(f"compare: {opt} does not apply to a comparison ({seg!r})")
             # the run's name: the segment without the options that apply to the whole cell
-            name = re.sub(r"\s*(--quiet|--no-watch|--timeout(\s+|=)\S+)", "", seg).strip()
+            name = re.sub(r"\s*(--quiet|--no-watch|--(collective-)?timeout(\s+|=)\S+)", "", seg).strip()
             if name in seen:
                 raise UsageError(f"compare: {name!r} is listed twice")
             seen.add(name)
             runs.append((name, strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind)))
             timeout = args.timeout if args.timeout is not None else timeout
+            collective_timeout = args.collective_timeout or collective_timeout
             quiet = quiet or args.quiet
-        session.compare(cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet)
+        session.compare(cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet,
+                        collective_timeout=collective_timeout)
 
     @magic_arguments()
     @argument("names", nargs="*", help="names of recorded runs (default: every run recorded in this kernel)")
@@ -295,7 +316,8 @@ class NbtoolMagics(Magics):
 
         cluster = self._require_cluster()
         ranks = parse_ranks(ranks_spec, cluster.world_size)
-        session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet)
+        session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet,
+                    collective_timeout=args.collective_timeout)
 
     # -- %commbench -----------------------------------------------------------
     @magic_arguments()
@@ -377,6 +399,38 @@ class NbtoolMagics(Magics):
         if args.vs_last:
             return session.plan_vs_last()
         return session.plan(args, self.rank_cluster, self.in_kernel, self.shell)
+
+    # -- %dist_checkpoint -----------------------------------------------------
+    @magic_arguments()
+    @argument("action", choices=["save", "load"], help="what to do")
+    @argument("path", help="checkpoint directory (created by save)")
+    @argument("--no-optimizer", dest="optimizer", action="store_false", default=True,
+              help="load: the model weights only")
+    @line_magic
+    def dist_checkpoint(self, line=""):
+        """Save or load a checkpoint of the last strategy cell's model and optimizer on every rank.
+
+        ``%dist_checkpoint save ckpt`` is ``strategy.save("ckpt")`` on every
+        rank; ``%dist_checkpoint load ckpt`` loads the latest complete
+        checkpoint into the prepared model (weights under any strategy; the
+        optimizer state under the strategy and world size that saved it).
+        Saves are atomic: a crash mid-save leaves the previous one loadable.
+        """
+        from . import session
+
+        args = parse_argstring(self.dist_checkpoint, line)
+        if args.action == "save" and not args.optimizer:
+            raise UsageError("--no-optimizer applies to load; save always writes the optimizer state")
+        cluster = self._require_cluster()
+        if args.action == "load":
+            import os
+
+            from .checkpoint_layout import latest_dir
+
+            if latest_dir(args.path) is None:
+                what = "does not exist" if not os.path.exists(args.path) else "holds no complete checkpoint"
+                raise UsageError(f"checkpoint {args.path!r} {what}; save one with %dist_checkpoint save PATH")
+        session.checkpoint(cluster, args.action, args.path, args.optimizer)
 
     # -- %dist_push / %dist_pull -----------------------------------------
     @magic_arguments()

@@ -98,6 +98,8 @@ class ClusterOptions:
     backend: str = "auto"
     gpus: tuple[int, ...] | None = None
     timeout: float = 120.0
+    # the hang watchdog reports a collective still running after this many seconds
+    collective_timeout: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,8 @@ def strategy_spec(args, backend: str | None, device_kind: str):
         allgather_bucket_mb=args.allgather_bucket_mb,
         micro_batch=args.micro_batch or 8,
         ds_config=ds_config,
+        checkpoint_every=args.checkpoint_every,
+        checkpoint_dir=args.checkpoint_dir,
     )
     try:
         validate(spec, backend, device_kind)
@@ -200,7 +204,7 @@ def strategy_spec(args, backend: str | None, device_kind: str):
 STRATEGY_ONLY_OPTIONS = (
     "precision", "grad_accum", "activation_checkpointing", "seed", "grad_clip", "bucket_mb", "wrap", "offload",
     "overlap_comm", "contiguous_gradients", "reduce_bucket_mb", "allgather_bucket_mb", "micro_batch",
-    "ds_config", "export_config", "name",
+    "ds_config", "export_config", "name", "checkpoint_every", "checkpoint_dir",
 )
 FLAG_OPTIONS = {"grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True,
                 "metrics": True, "watch": True}

@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 from .cluster import RankCluster
 from .execution import run_cell
-from .options import ClusterOptions, format_ranks
+from .options import ClusterOptions, format_ranks, label_ranks
 
 
 def start(opts: ClusterOptions, in_kernel: bool) -> RankCluster:
@@ -33,15 +33,48 @@ def status(cluster: RankCluster):
     header = (
         f"{layout.n} rank(s), backend {layout.backend}, "
         f"{'GPUs ' + ','.join(map(str, layout.gpus)) if layout.gpus else 'CPU'}; "
+        f"collective timeout {cluster.collective_timeout:g}s; "
         "rss = resident set size of the engine process (OS figure)"
     )
-    return StatusTable(cluster.status(), header=header)
+    rows = cluster.status()
+    lost = cluster.lost_ranks()
+    if lost or cluster.group_closed:
+        header += (f"\nprocess group unusable ({cluster.group_closed or 'engines lost'}"
+                   f"{'; lost: ' + label_ranks(lost) if lost else ''}): "
+                   f"%cluster restart brings back {layout.n} fresh rank(s)")
+    return StatusTable(rows, header=header)
+
+
+def restart(cluster: RankCluster, in_kernel: bool) -> None:
+    from .widgets import ProgressLine
+
+    cluster.restart(ProgressLine(in_kernel))
+
+
+def _progress(in_kernel: bool):
+    from .widgets import ProgressLine
+
+    return ProgressLine(in_kernel)
+
+
+def _prepare_cell(cluster: RankCluster, ranks: list[int], collective_timeout: float | None,
+                  collectives: bool) -> None:
+    """Checks before a cell runs: ranks alive, process group usable, watchdog timeout set."""
+    _check_alive(cluster, ranks)
+    if cluster.group_closed:
+        msg = (f"the process group is unusable ({cluster.group_closed}); "
+               f"%cluster restart brings back {cluster.world_size} fresh rank(s)")
+        if collectives:
+            raise UsageError(msg)
+        print(f"nbtool: {msg}; this cell runs, but any collective in it will fail", file=sys.stderr)
+    cluster.set_collective_timeout(collective_timeout or cluster.options.collective_timeout)
 
 
 def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
-        timeout: float | None, quiet: bool) -> None:
-    _check_alive(cluster, ranks)
-    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet)
+        timeout: float | None, quiet: bool, collective_timeout: float | None = None) -> None:
+    _prepare_cell(cluster, ranks, collective_timeout, collectives=False)
+    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+             progress=_progress(in_kernel))
 
 
 # runs recorded in this kernel, by name (latest first wins a name); LAST is the newest
@@ -54,7 +87,7 @@ COMMBENCH: list = []  # [the last CommbenchResult], used by the planner
 
 def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, timeout: float | None,
                  quiet: bool, export_config: str | None = None, metrics: bool = True, watch: bool = True,
-                 name: str | None = None):
+                 name: str | None = None, collective_timeout: float | None = None):
     """Install ``strategy`` on every rank, run the cell (recording it), then report.
 
     Returns the run's RunRecords (None with metrics off). The live dashboard
@@ -66,7 +99,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
     from .rank.strategies.spec import deepspeed_config, dumps_config
 
     ranks = list(range(cluster.world_size))
-    _check_alive(cluster, ranks)
+    _prepare_cell(cluster, ranks, collective_timeout, collectives=True)
     if export_config:
         text = dumps_config(deepspeed_config(spec, cluster.world_size))
         try:
@@ -94,7 +127,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
     finished = None
     try:
         run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
-                 on_tick=live if dash is not None else None)
+                 on_tick=live if dash is not None else None, progress=_progress(in_kernel))
     finally:
         # always stop the recorders: they patch torch.distributed on the ranks
         finished = _finish(cluster, ranks, want_summary=not quiet)
@@ -142,6 +175,8 @@ class _LiveRecords:
 def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool):
     from .rank import strategies
 
+    if cluster.lost_ranks() or cluster.client is None:
+        return None  # the cell's error already says which ranks are gone
     try:
         return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=FINISH_TIMEOUT_S)
     except Exception as e:  # a rank still stuck (after a timeout/interrupt) or gone
@@ -151,14 +186,14 @@ def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool):
 
 
 def compare(cluster: RankCluster, code: str, runs: list[tuple[str, object]], *, in_kernel: bool,
-            timeout: float | None, quiet: bool):
+            timeout: float | None, quiet: bool, collective_timeout: float | None = None):
     """Run the cell once per (name, spec) on the same cluster, then show the comparison."""
     recorded = []
     for name, spec in runs:
         if not quiet:
             print(f"--- {name} ---")
         recorded.append(run_strategy(cluster, code, spec, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
-                                     watch=False, name=name))
+                                     watch=False, name=name, collective_timeout=collective_timeout))
     show_comparison(recorded, in_kernel)
 
 
@@ -210,7 +245,7 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
     from .rank import commbench as rank_bench
 
     everyone = list(range(cluster.world_size))
-    _check_alive(cluster, everyone)
+    _prepare_cell(cluster, everyone, None, collectives=True)
     n = len(ranks)
     counts = {op: sorted({element_count(op, s, n, DTYPES[dtype]) for s in sizes}) for op in ops}
     plot = None
@@ -359,6 +394,41 @@ def plan_vs_last() -> None:
         print(f"{name:<12} {int(e.device.get(name, 0)):>14,} " + " ".join(f"{v:>14,}" for v in vals))
 
 
+def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = True) -> dict:
+    """%dist_checkpoint: save or load on every rank through the last strategy cell's strategy."""
+    from .execution import RankError
+    from .rank import strategies
+
+    ranks = list(range(cluster.world_size))
+    _prepare_cell(cluster, ranks, None, collectives=True)
+    ar = cluster.view(ranks).apply_async(strategies.checkpoint, action, path, optimizer)
+    try:
+        while not ar.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        cluster.signal(ranks, "SIGINT")
+        ar.wait(5)
+        raise
+    try:
+        results = ar.get()
+    except ipp.error.CompositeError as e:
+        if all(ename == "StrategyError" for ename, *_ in e.elist):  # nothing prepared: a usage mistake
+            raise UsageError(f"%dist_checkpoint {action}: {e.elist[0][1]}") from None
+        groups: dict = {}
+        for ename, evalue, tb, info in e.elist:
+            err = type("Remote", (), {"ename": ename, "evalue": evalue, "traceback": ""})()
+            groups.setdefault((ename, evalue), ([], err))[0].append(cluster.rank_of(info["engine_id"]))
+        raise RankError(sorted(groups.values(), key=lambda g: g[0][0])) from None
+    info = results[0]
+    if action == "save":
+        print(f"saved step {info['steps']} to {info['path']}/{info['dir']} "
+              f"({info['bytes'] / 2**20:.1f} MiB, {info['seconds']:.2f} s)")
+    else:
+        print(f"loaded step {info['steps']} from {info['path']}/{info['dir']} "
+              f"(saved by {info['saved_by']}): {info['restored']}")
+    return info
+
+
 def push(cluster: RankCluster, values: dict, ranks: list[int]) -> None:
     _check_alive(cluster, ranks)
     cluster.view(ranks).push(values, block=True)
@@ -384,10 +454,10 @@ def pull(cluster: RankCluster, names: list[str], rank: int | None) -> dict:
 
 
 def _check_alive(cluster: RankCluster, ranks: list[int]) -> None:
-    alive = set(cluster.client.ids)
-    lost = [r for r in ranks if cluster.engine_ids[r] not in alive]
+    lost = [r for r in ranks if r in cluster.lost_ranks()]
     if lost:
+        reasons = "; ".join(f"rank {r}: {cluster.exit_reason(r)}" for r in lost)
         raise UsageError(
-            f"rank(s) {format_ranks(lost)} are no longer connected (engine died or was stopped); "
-            "%cluster restart brings back a full cluster"
+            f"rank(s) {format_ranks(lost)} are no longer connected ({reasons}); "
+            f"%cluster restart brings back {cluster.world_size} fresh rank(s)"
         )

@@ -23,6 +23,9 @@ def init_rank(
     timeout_s: float,
     kernel_pid: int | None = None,
     controller_pid: int | None = None,
+    store_path: str | None = None,
+    collective_timeout_s: float | None = None,
+    cleanup_paths: tuple = (),
 ) -> dict:
     """Make this engine rank ``rank`` of a ``world_size`` process group.
 
@@ -31,6 +34,11 @@ def init_rank(
     them (DeepSpeed, FSDP helpers) see a normal launch. ``visible_devices`` is
     the CUDA_VISIBLE_DEVICES value shared by all ranks (None on CPU ranks);
     rank i uses cuda:i of those, as with torchrun.
+
+    With ``store_path`` the ranks meet through a FileStore in that (owner-only)
+    directory instead of a TCPStore, which would listen on every interface.
+    The hang watchdog (``watchdog.install``) and faulthandler (a segfault's
+    Python stack goes to the engine's log) are set up here too.
     """
     env = {
         "RANK": str(rank),
@@ -67,7 +75,7 @@ def init_rank(
     if not dist.is_initialized():
         kwargs = dict(
             backend=backend,
-            init_method=f"tcp://{master_addr}:{master_port}",
+            init_method=f"file://{store_path}" if store_path else f"tcp://{master_addr}:{master_port}",
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
@@ -76,10 +84,34 @@ def init_rank(
             kwargs["device_id"] = device
         dist.init_process_group(**kwargs)
 
+    import faulthandler
+
+    from . import watchdog
+
+    import sys
+
+    faulthandler.enable(file=sys.__stderr__)  # the engine's real stderr: ipyparallel's log file
+    watchdog.install(rank, collective_timeout_s or watchdog.DEFAULT_TIMEOUT_S)
     _install_namespace(rank, world_size, device)
     if kernel_pid:
-        _watch_kernel(kernel_pid, controller_pid)
+        _watch_kernel(kernel_pid, controller_pid, tuple(cleanup_paths))
     return rank_info()
+
+
+def close_process_group() -> str:
+    """Tear down this rank's process group so peers blocked in a collective with it fail at once.
+
+    Used by the kernel to release ranks stuck in a collective that an
+    interrupt cannot reach (a rank that raised, finished or skipped it is
+    idle). The group cannot be made again in this engine (DeepSpeed caches
+    groups): the cluster needs ``%cluster restart`` for further collectives.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+        return "closed"
+    return "not initialised"
 
 
 def _install_namespace(rank: int, world_size: int, device) -> None:
@@ -154,12 +186,12 @@ def _alive(psutil, pid: int) -> bool:
         return False
 
 
-def _watch_kernel(kernel_pid: int, controller_pid: int | None) -> None:
+def _watch_kernel(kernel_pid: int, controller_pid: int | None, cleanup_paths: tuple = ()) -> None:
     """Exit when the kernel that owns the cluster is gone.
 
     A kernel killed with SIGKILL runs no atexit handler, so without this its
     controller and engines would live on. The first engine to notice also
-    stops the controller.
+    stops the controller and removes the cluster's files (``cleanup_paths``).
     """
     global _watcher
     if _watcher is not None:
@@ -175,10 +207,21 @@ def _watch_kernel(kernel_pid: int, controller_pid: int | None) -> None:
                 os.kill(controller_pid, 15)
             except OSError:
                 pass
+        import shutil
+
+        for path in cleanup_paths:
+            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
         os._exit(0)
 
     _watcher = threading.Thread(target=run, name="nbtool-kernel-watch", daemon=True)
     _watcher.start()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
 
 
 def hardware_facts() -> dict:

@@ -27,37 +27,7 @@ import torch.distributed.distributed_c10d as c10d
 from ..collectives import bandwidths, bus_factor
 from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
 from .bootstrap import rank_device
-
-# public function -> (op, which argument holds the tensor that defines S, how S follows from it)
-_WRAPPED = {
-    "all_reduce": ("all_reduce", 0, "same"),
-    "all_reduce_coalesced": ("all_reduce", 0, "list"),
-    "reduce": ("reduce", 0, "same"),
-    "broadcast": ("broadcast", 0, "same"),
-    "all_gather": ("all_gather", 0, "list"),  # output list: total gathered size
-    "all_gather_single": ("all_gather", 0, "same"),  # output tensor
-    "all_gather_into_tensor": ("all_gather", 0, "same"),
-    "_all_gather_base": ("all_gather", 0, "same"),
-    "reduce_scatter": ("reduce_scatter", 1, "list"),  # input list: total size
-    "reduce_scatter_single": ("reduce_scatter", 1, "same"),  # input tensor
-    "reduce_scatter_tensor": ("reduce_scatter", 1, "same"),
-    "_reduce_scatter_base": ("reduce_scatter", 1, "same"),
-    "all_to_all": ("all_to_all", 1, "list"),
-    "all_to_all_single": ("all_to_all", 1, "same"),
-    "send": ("send", 0, "same"),
-    "isend": ("send", 0, "same"),
-    "recv": ("recv", 0, "same"),
-    "irecv": ("recv", 0, "same"),
-    "barrier": ("barrier", None, "none"),
-}
-
-# keyword names of the S-defining argument, by (position, kind)
-_KEYWORDS = {
-    (0, "same"): ("tensor", "output_tensor", "output"),
-    (0, "list"): ("tensor_list", "output_tensor_list", "tensors"),
-    (1, "same"): ("input_tensor", "input", "tensor"),
-    (1, "list"): ("input_list", "input_tensor_list"),
-}
+from .collective_calls import WRAPPED, describe_call, is_async
 
 _local = threading.local()
 _active: "Recorder | None" = None
@@ -66,18 +36,6 @@ _active: "Recorder | None" = None
 def active() -> "Recorder | None":
     """The recorder of the running cell on this rank, if any."""
     return _active
-
-
-def _nbytes(t) -> int:
-    if isinstance(t, (list, tuple)):
-        return sum(_nbytes(x) for x in t)
-    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
-
-
-def _dtype(t) -> str:
-    if isinstance(t, (list, tuple)):
-        return _dtype(t[0]) if t else ""
-    return str(t.dtype).replace("torch.", "") if torch.is_tensor(t) else ""
 
 
 class Recorder:
@@ -102,7 +60,7 @@ class Recorder:
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         global _active
-        for name in _WRAPPED:
+        for name in WRAPPED:
             for module in (dist, c10d):
                 fn = getattr(module, name, None)
                 if fn is not None and not getattr(fn, "_nbtool_wrapped", False):
@@ -164,7 +122,6 @@ class Recorder:
 
     # -- collectives -------------------------------------------------------------
     def _wrap(self, name: str, fn):
-        op, arg, how = _WRAPPED[name]
         recorder = self
 
         @functools.wraps(fn)
@@ -173,24 +130,15 @@ class Recorder:
                 return fn(*args, **kwargs)
             _local.depth = 1
             try:
-                return recorder._call(fn, op, arg, how, name, args, kwargs)
+                return recorder._call(fn, name, args, kwargs)
             finally:
                 _local.depth = 0
 
         wrapper._nbtool_wrapped = True
         return wrapper
 
-    def _call(self, fn, op, arg, how, name, args, kwargs):
-        try:
-            group = kwargs.get("group")
-            n = dist.get_world_size(group) if group is not None else dist.get_world_size()
-            tensor = None
-            if arg is not None:
-                keys = _KEYWORDS[(arg, how)]
-                tensor = args[arg] if len(args) > arg else next((kwargs[k] for k in keys if k in kwargs), None)
-            size = _nbytes(tensor)
-        except Exception:  # an unusual call signature: record what is known, never break the call
-            n, tensor, size = dist.get_world_size(), None, 0
+    def _call(self, fn, name, args, kwargs):
+        op, size, n, dtype = describe_call(name, args, kwargs)
         self._seq += 1
         seq, step = self._seq, self.step
         t_issue = time.time()
@@ -200,15 +148,15 @@ class Recorder:
             start_ev.record()
         t0 = time.perf_counter()
         result = fn(*args, **kwargs)
-        is_async = kwargs.get("async_op", False) or name in ("isend", "irecv")
+        asynchronous = is_async(name, kwargs)
         base = dict(rank=self.rank, seq=seq, op=op, size_bytes=size, bus_bytes=size * bus_factor(op, n),
-                    group_size=n, dtype=_dtype(tensor), t_issue=t_issue, step=step)
-        if start_ev is not None and not is_async:
+                    group_size=n, dtype=dtype, t_issue=t_issue, step=step)
+        if start_ev is not None and not asynchronous:
             end_ev = torch.cuda.Event(enable_timing=True)
             end_ev.record()
             with self._lock:
                 self._pending_events.append((base, start_ev, end_ev))
-        elif is_async and result is not None and hasattr(result, "get_future"):
+        elif asynchronous and result is not None and hasattr(result, "get_future"):
             result.get_future().then(lambda fut: self._done(base, time.perf_counter() - t0, "wall"))
         else:
             self._done(base, time.perf_counter() - t0, "wall")

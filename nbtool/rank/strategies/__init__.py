@@ -69,4 +69,14 @@ def finish(want_summary: bool = True) -> dict:
     return out
 
 
-__all__ = ["NAMES", "StrategySpec", "build", "install", "finish"]
+def checkpoint(action: str, path: str, optimizer: bool = True) -> dict:
+    """``%dist_checkpoint save|load PATH``: on the strategy of the last strategy cell."""
+    from .base import StrategyError
+
+    if _last is None or _last.model is None:
+        raise StrategyError("no prepared strategy on this rank: run a %%distributed STRATEGY cell "
+                            "that calls strategy.prepare(model, optimizer) first")
+    return _last.save(path) if action == "save" else _last.load(path, optimizer=optimizer)
+
+
+__all__ = ["NAMES", "StrategySpec", "build", "install", "finish", "checkpoint"]

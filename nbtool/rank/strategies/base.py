@@ -184,6 +184,11 @@ class Strategy:
         return self.rank == 0
 
     @property
+    def steps(self) -> int:
+        """Optimizer steps taken (restored by load(), so a resumed loop knows where it is)."""
+        return self._steps
+
+    @property
     def at_boundary(self) -> bool:
         """True when the last backward() completed an accumulation window."""
         return self._micro % self.spec.grad_accum == 0
@@ -268,6 +273,24 @@ class Strategy:
         return {k: v.detach().to("cpu", torch.float32 if v.is_floating_point() else v.dtype).clone()
                 for k, v in sd.items()}
 
+    def save(self, path: str) -> dict:
+        """Write a checkpoint of model and optimizer to directory ``path`` (every rank calls it).
+
+        Atomic (a crash mid-save leaves the previous checkpoint in ``path``
+        loadable) and portable: the weights load under any strategy; see
+        nbtool.rank.checkpoint for the layout.
+        """
+        from .. import checkpoint
+
+        return checkpoint.save(self, path)
+
+    def load(self, path: str, optimizer: bool = True) -> dict:
+        """Load the latest checkpoint in ``path`` after prepare(): weights always, the optimizer
+        state when this is the strategy and world size that saved it. Restores the step count."""
+        from .. import checkpoint
+
+        return checkpoint.load(self, path, optimizer=optimizer)
+
     def describe(self) -> "Description":
         """Exactly what was applied: wrappers, sharding, precision, offload, buckets, config."""
         return Description(self.name, self._describe())
@@ -302,6 +325,9 @@ class Strategy:
         self._ledger_at_step = after
         if self.recorder is not None:
             self.recorder.on_step(self._steps, after)
+        every = self.spec.checkpoint_every
+        if every and self._steps % every == 0:
+            self.save(self.spec.checkpoint_dir or "checkpoints")
         return out
 
     def _step(self, closure=None):

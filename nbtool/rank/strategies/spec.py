@@ -44,6 +44,9 @@ class StrategySpec:
     allgather_bucket_mb: float | None = None
     micro_batch: int = 8
     ds_config: dict | None = field(default=None, compare=False)
+    # every N optimizer steps, save a checkpoint to checkpoint_dir (nbtool.rank.checkpoint)
+    checkpoint_every: int | None = None
+    checkpoint_dir: str | None = None
 
     @property
     def is_zero(self) -> bool:
@@ -68,6 +71,8 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
         raise SpecError(f"--grad-clip {spec.grad_clip}: must be > 0 (omit it for no clipping)")
     if spec.grad_accum < 1:
         raise SpecError(f"--grad-accum {spec.grad_accum}: must be >= 1")
+    if spec.checkpoint_dir is not None and spec.checkpoint_every is None:
+        raise SpecError(f"--checkpoint-dir {spec.checkpoint_dir!r} needs --checkpoint-every N (optimizer steps)")
     only = {
         "--bucket-mb": (spec.bucket_mb is not None, ("ddp",)),
         "--grad-as-bucket-view": (spec.grad_as_bucket_view, ("ddp",)),

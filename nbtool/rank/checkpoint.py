@@ -1,0 +1,169 @@
+"""Portable, atomic checkpoints of a strategy's model and optimizer (engine side).
+
+Layout of a checkpoint directory ``PATH``::
+
+    PATH/latest                 {"dir": "ckpt-000012-ab12cd34"}  (switched last, atomically)
+    PATH/ckpt-000012-ab12cd34/
+        meta.json               strategy, world size, steps, parameter names
+        model/                  torch.distributed.checkpoint (DCP) of the model state dict
+        optim/                  DCP of the optimizer (ddp, fsdp)
+        deepspeed/              DeepSpeed's own checkpoint (zero1-3: optimizer partitions)
+
+The model is saved under the plain model's parameter names, as full tensors
+(ddp, zero1-3) or DTensor shards (fsdp); DCP reshards on load, so weights
+saved under one strategy load under any other, at any world size. The
+optimizer state is restored only under the strategy and world size that
+saved it (each shards it differently).
+
+Atomic: every rank writes into a fresh ``ckpt-*`` directory; only when all
+have finished (a barrier) does rank 0 write ``meta.json`` and switch
+``latest`` with ``os.replace``. A crash before that leaves ``latest``
+pointing at the previous checkpoint; the partial directory is removed by
+the next successful save.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from ..checkpoint_layout import FORMAT, CheckpointError, atomic_write, latest_dir, read_meta
+
+
+def save(strategy, path: str) -> dict:
+    """Write model + optimizer state of ``strategy`` to ``path`` (a collective: every rank calls it)."""
+    if strategy.model is None:
+        raise CheckpointError("call strategy.prepare(model, optimizer) before saving a checkpoint")
+    path = os.path.abspath(path)
+    name = [f"ckpt-{strategy._steps:06d}-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)  # one directory name for every rank
+    target = os.path.join(path, name[0])
+    if dist.get_rank() == 0:
+        os.makedirs(target, exist_ok=True)
+    dist.barrier()
+    t0 = time.perf_counter()
+    model_sd = _model_state(strategy, for_load=False)
+    dcp.save(model_sd, checkpoint_id=os.path.join(target, "model"))
+    if strategy.spec.is_zero:
+        strategy._engine.save_checkpoint(os.path.join(target, "deepspeed"), tag="state", save_latest=False)
+    else:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save(get_optimizer_state_dict(strategy._plain, strategy.optimizer.inner),
+                 checkpoint_id=os.path.join(target, "optim"))
+    dist.barrier()  # every rank's files are complete
+    meta = {"format": FORMAT, "strategy": strategy.name, "precision": strategy.spec.precision,
+            "world_size": strategy.world_size, "steps": strategy._steps, "time": time.time(),
+            "params": sorted(model_sd)}
+    if dist.get_rank() == 0:
+        with open(os.path.join(target, "meta.json"), "w") as f:
+            json.dump(meta, f, indent=1)
+        atomic_write(os.path.join(path, "latest"), json.dumps({"dir": name[0]}))
+        for old in os.listdir(path):  # older checkpoints and partial ones from crashed saves
+            if old.startswith("ckpt-") and old != name[0]:
+                shutil.rmtree(os.path.join(path, old), ignore_errors=True)
+    dist.barrier()
+    return {"path": path, "dir": name[0], "steps": strategy._steps, "seconds": time.perf_counter() - t0,
+            "bytes": _dir_bytes(target) if dist.get_rank() == 0 else None}
+
+
+def load(strategy, path: str, optimizer: bool = True) -> dict:
+    """Load the latest complete checkpoint in ``path`` into ``strategy``'s model (and optimizer)."""
+    if strategy.model is None:
+        raise CheckpointError("call strategy.prepare(model, optimizer) before loading a checkpoint")
+    path = os.path.abspath(path)
+    meta = read_meta(path)
+    d = latest_dir(path)
+    sd = _model_state(strategy, for_load=True)
+    missing = sorted(set(sd) - set(meta["params"]))
+    unexpected = sorted(set(meta["params"]) - set(sd))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"checkpoint {path!r} does not match this model: "
+            + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "")
+            + ("; " if missing and unexpected else "")
+            + (f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}" if unexpected else ""))
+    dcp.load(sd, checkpoint_id=os.path.join(d, "model"))
+    _apply_model_state(strategy, sd)
+    same = meta["strategy"] == strategy.name and meta["world_size"] == strategy.world_size
+    restored_optimizer = False
+    if optimizer and same:
+        if strategy.spec.is_zero:
+            strategy._engine.load_checkpoint(os.path.join(d, "deepspeed"), tag="state", load_module_strict=True,
+                                             load_optimizer_states=True, load_lr_scheduler_states=False)
+        else:
+            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+            osd = get_optimizer_state_dict(strategy._plain, strategy.optimizer.inner)
+            dcp.load(osd, checkpoint_id=os.path.join(d, "optim"))
+            set_optimizer_state_dict(strategy._plain, strategy.optimizer.inner, osd)
+        restored_optimizer = True
+    strategy._steps = meta["steps"]
+    dist.barrier()
+    note = "model and optimizer" if restored_optimizer else (
+        "model only" + ("" if not optimizer else
+                        f" (optimizer state was saved by {meta['strategy']} on {meta['world_size']} rank(s); "
+                        f"it restores only under the same strategy and world size)"))
+    return {"path": path, "dir": os.path.basename(d), "steps": meta["steps"], "saved_by": meta["strategy"],
+            "restored": note}
+
+
+def _model_state(strategy, for_load: bool) -> dict:
+    """The model state dict by plain parameter names, in the form this strategy holds it."""
+    if strategy.name == "fsdp":
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(strategy._plain)  # DTensor shards
+    if strategy.name == "ddp":
+        return strategy._plain.state_dict()  # shares storage with the parameters
+    module = strategy._engine.module
+    if strategy.spec.stage < 3:
+        return module.state_dict()
+    if for_load:  # full-size buffers to load into; copied into the partitions afterwards
+        return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _zero3_shapes(module).items()}
+    return strategy._full_state_dict()
+
+
+def _zero3_shapes(module) -> dict:
+    out = {}
+    for name, p in module.named_parameters():
+        out[name] = (tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
+    for name, b in module.named_buffers():
+        out[name] = (tuple(b.shape), b.dtype)
+    return out
+
+
+@torch.no_grad()
+def _apply_model_state(strategy, sd: dict) -> None:
+    if strategy.name == "fsdp":
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(strategy._plain, sd)
+        return
+    if strategy.name == "ddp":
+        strategy._plain.load_state_dict(sd)
+        return
+    module = strategy._engine.module
+    if strategy.spec.stage < 3:
+        module.load_state_dict(sd)  # into the flat bit16 buffers the params view
+    else:
+        import deepspeed
+
+        params = dict(module.named_parameters())
+        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
+            if dist.get_rank() == 0:
+                for name, p in params.items():
+                    p.data.copy_(sd[name].to(p.device, p.dtype))
+        for name, b in module.named_buffers():
+            b.copy_(sd[name].to(b.device, b.dtype))
+    strategy._ds_opt.refresh_fp32_params()  # the optimizer's fp32 master partitions follow the weights
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(path) for f in fs)

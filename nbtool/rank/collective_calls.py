@@ -1,0 +1,80 @@
+"""Which torch.distributed functions are collectives, and what one call moves.
+
+Shared by the metrics recorder (sizes and timing of every call in a strategy
+cell) and the hang watchdog (which collective a blocked rank is in).
+"""
+from __future__ import annotations
+
+# torch is imported inside the functions: the kernel imports this module (watchdog state
+# queries) without needing torch
+
+# public function -> (op, which argument holds the tensor that defines S, how S follows from it)
+WRAPPED = {
+    "all_reduce": ("all_reduce", 0, "same"),
+    "all_reduce_coalesced": ("all_reduce", 0, "list"),
+    "reduce": ("reduce", 0, "same"),
+    "broadcast": ("broadcast", 0, "same"),
+    "all_gather": ("all_gather", 0, "list"),  # output list: total gathered size
+    "all_gather_single": ("all_gather", 0, "same"),  # output tensor
+    "all_gather_into_tensor": ("all_gather", 0, "same"),
+    "_all_gather_base": ("all_gather", 0, "same"),
+    "reduce_scatter": ("reduce_scatter", 1, "list"),  # input list: total size
+    "reduce_scatter_single": ("reduce_scatter", 1, "same"),  # input tensor
+    "reduce_scatter_tensor": ("reduce_scatter", 1, "same"),
+    "_reduce_scatter_base": ("reduce_scatter", 1, "same"),
+    "all_to_all": ("all_to_all", 1, "list"),
+    "all_to_all_single": ("all_to_all", 1, "same"),
+    "send": ("send", 0, "same"),
+    "isend": ("send", 0, "same"),
+    "recv": ("recv", 0, "same"),
+    "irecv": ("recv", 0, "same"),
+    "barrier": ("barrier", None, "none"),
+}
+
+# keyword names of the S-defining argument, by (position, kind)
+_KEYWORDS = {
+    (0, "same"): ("tensor", "output_tensor", "output"),
+    (0, "list"): ("tensor_list", "output_tensor_list", "tensors"),
+    (1, "same"): ("input_tensor", "input", "tensor"),
+    (1, "list"): ("input_list", "input_tensor_list"),
+}
+
+
+def is_async(name: str, kwargs: dict) -> bool:
+    return bool(kwargs.get("async_op", False)) or name in ("isend", "irecv")
+
+
+def describe_call(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, str]:
+    """(op, size S in bytes, group size, dtype) of one call; never raises."""
+    import torch.distributed as dist
+
+    op, arg, how = WRAPPED[name]
+    try:
+        group = kwargs.get("group")
+        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        tensor = None
+        if arg is not None:
+            keys = _KEYWORDS[(arg, how)]
+            tensor = args[arg] if len(args) > arg else next((kwargs[k] for k in keys if k in kwargs), None)
+        return op, nbytes(tensor), n, dtype_name(tensor)
+    except Exception:  # an unusual call signature: what is known, never break the call
+        try:
+            return op, 0, dist.get_world_size(), ""
+        except Exception:
+            return op, 0, 0, ""
+
+
+def nbytes(t) -> int:
+    import torch
+
+    if isinstance(t, (list, tuple)):
+        return sum(nbytes(x) for x in t)
+    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+
+
+def dtype_name(t) -> str:
+    import torch
+
+    if isinstance(t, (list, tuple)):
+        return dtype_name(t[0]) if t else ""
+    return str(t.dtype).replace("torch.", "") if torch.is_tensor(t) else ""

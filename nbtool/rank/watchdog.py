@@ -1,0 +1,160 @@
+"""Hang watchdog: which collective each rank is in, and for how long (engine side).
+
+Installed once per engine life by bootstrap: every public torch.distributed
+collective is wrapped to note its call (the outermost one only) while it is
+in flight; async calls stay noted until their work completes. A daemon
+thread looks every ``POLL_S``; a collective in flight for longer than the
+timeout is reported once to the kernel (an ipyparallel data message) with
+the op, its size, this rank's collective sequence number and the main
+thread's Python stack. The kernel asks a rank that is not in a collective
+for its stack with SIGUSR1 (delivered through ipyparallel's nanny).
+
+The cost is one dict insert and delete per collective; sizes are worked out
+only when a report is made.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+
+from .collective_calls import WRAPPED, describe_call, is_async
+
+POLL_S = 0.5
+DEFAULT_TIMEOUT_S = 60.0
+
+_local = threading.local()
+_inflight: dict[int, list] = {}  # seq -> [name, args, kwargs, t_start, work]
+_state = {"issued": 0, "timeout_s": DEFAULT_TIMEOUT_S, "rank": -1, "reports": 0}
+_reported: set[int] = set()
+_thread: threading.Thread | None = None
+_HERE = os.path.dirname(__file__)
+
+
+def install(rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Wrap the collectives, start the watch thread and the SIGUSR1 stack reporter (once)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    global _thread
+    _state["rank"] = rank
+    _state["timeout_s"] = timeout_s
+    for name in WRAPPED:
+        for module in (dist, c10d):
+            fn = getattr(module, name, None)
+            if fn is not None and not getattr(fn, "_nbtool_watched", False):
+                setattr(module, name, _wrap(name, fn))
+    if _thread is None:
+        _thread = threading.Thread(target=_watch, name="nbtool-watchdog", daemon=True)
+        _thread.start()
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGUSR1, _on_stack_request)
+
+
+def configure(timeout_s: float) -> None:
+    """Set the per-collective timeout (seconds) for the next cells."""
+    _state["timeout_s"] = float(timeout_s)
+
+
+def state() -> dict:
+    """This rank's collective count, timeout, and what is in flight now."""
+    now = time.monotonic()
+    return {"rank": _state["rank"], "issued": _state["issued"], "timeout_s": _state["timeout_s"],
+            "inflight": [_describe(seq, e, now) for seq, e in sorted(list(_inflight.items()))]}
+
+
+def _wrap(name: str, fn):
+    asynchronous_name = name in ("isend", "irecv")
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if getattr(_local, "depth", 0):  # a wrapper calling its replacement: counted once
+            return fn(*args, **kwargs)
+        _state["issued"] += 1
+        seq = _state["issued"]
+        entry = [name, args, kwargs, time.monotonic(), None]
+        _inflight[seq] = entry
+        _local.depth = 1
+        done = True
+        try:
+            result = fn(*args, **kwargs)
+            if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
+                entry[4], done = result, False  # in flight until the work completes
+            return result
+        finally:
+            _local.depth = 0
+            if done:
+                _inflight.pop(seq, None)
+
+    wrapper._nbtool_watched = True
+    # the metrics recorder wraps on top of this wrapper; keep its marker off
+    wrapper.__dict__.pop("_nbtool_wrapped", None)
+    return wrapper
+
+
+def _describe(seq: int, entry: list, now: float) -> dict:
+    name, args, kwargs, t0, work = entry
+    op, size, n, dtype = describe_call(name, args, kwargs)
+    return {"seq": seq, "op": op, "call": name, "size_bytes": size, "group_size": n, "dtype": dtype,
+            "age_s": round(now - t0, 3), "async": work is not None}
+
+
+def main_stack() -> list[str]:
+    """The main thread's Python stack, innermost last, without this module's wrapper frames."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return []
+    summary = [f for f in traceback.extract_stack(frame) if os.path.dirname(f.filename) != _HERE]
+    return traceback.format_list(summary)
+
+
+def _publish(key: str, value: dict) -> None:
+    try:
+        from ipyparallel.datapub import publish_data
+
+        publish_data({key: value})
+    except Exception:  # outside an engine, or between cells: nobody to tell
+        pass
+
+
+def _watch() -> None:
+    while True:
+        time.sleep(POLL_S)
+        try:
+            _check()
+        except Exception:  # the watchdog must never take the engine down
+            pass
+
+
+def _check() -> None:
+    now = time.monotonic()
+    for seq, entry in list(_inflight.items()):
+        work = entry[4]
+        if work is not None:
+            try:
+                finished = work.is_completed()
+            except Exception:
+                finished = True
+            if finished:
+                _inflight.pop(seq, None)
+                continue
+        if now - entry[3] > _state["timeout_s"] and seq not in _reported:
+            _reported.add(seq)
+            _state["reports"] += 1
+            report = {**_describe(seq, entry, now), "rank": _state["rank"], "issued": _state["issued"],
+                      "timeout_s": _state["timeout_s"], "stack": main_stack()}
+            _publish(f"nbtool-hang:{_state['rank']}:{seq}", report)
+
+
+def _on_stack_request(signum, frame) -> None:
+    """SIGUSR1: publish where this rank's main thread is (it runs Python, or the handler would not)."""
+    stack = traceback.format_list([f for f in traceback.extract_stack(frame)
+                                   if os.path.dirname(f.filename) != _HERE])
+    now = time.monotonic()
+    _publish(f"nbtool-stack:{_state['rank']}:{time.time()}",
+             {"rank": _state["rank"], "issued": _state["issued"], "stack": stack,
+              "inflight": [_describe(s, e, now) for s, e in sorted(list(_inflight.items()))]})
