@@ -117,7 +117,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
         dash = Dashboard(cluster.world_size, title=f"{run.name}: live")
         display(dash.widget)
     try:
-        cluster.view(ranks).apply_sync(strategies.install, spec, metrics)
+        cluster.view(ranks).apply_sync(strategies.install, spec, metrics, dash is not None)
     except BaseException:
         _finish(cluster, ranks, want_summary=False)  # ranks where it worked: stop their recorders
         if dash is not None:

@@ -20,10 +20,12 @@ def build(spec: StrategySpec):
     return cls(spec, rank_device())
 
 
-def install(spec: StrategySpec, metrics: bool = True) -> None:
+def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> None:
     """Make ``strategy`` in this rank's namespace a fresh strategy for ``spec``.
 
-    With ``metrics`` a Recorder runs until ``finish()``.
+    With ``metrics`` a Recorder runs until ``finish()``; with ``publish`` it
+    also streams records to the kernel while the cell runs (only worth its
+    cost when a live dashboard is shown).
     """
     import warnings
 
@@ -43,7 +45,7 @@ def install(spec: StrategySpec, metrics: bool = True) -> None:
 
         from ..recorder import Recorder
 
-        _last.recorder = Recorder(dist.get_rank())
+        _last.recorder = Recorder(dist.get_rank(), publish=publish)
         _last.recorder.start()
     get_ipython().user_ns["strategy"] = _last
 

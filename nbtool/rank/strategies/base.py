@@ -40,13 +40,14 @@ class Tally:
     is not counted (allocator and RSS figures include it).
     """
 
-    def __init__(self):
+    def __init__(self, only: tuple[str, ...] | None = None):
         self.bytes: Counter = Counter()
         self.offloaded: Counter = Counter()
+        self.only = only  # count just these categories (the rest cost nothing)
         self._covered: dict = {}  # storage key -> sorted, merged [start, end) byte ranges
 
     def add(self, category: str, tensor, offloaded: bool = False) -> None:
-        if tensor is None:
+        if tensor is None or (self.only is not None and category not in self.only):
             return
         if hasattr(tensor, "to_local"):  # DTensor: the local shard is what this rank holds
             tensor = tensor.to_local()
@@ -54,7 +55,8 @@ class Tally:
             return
         storage = tensor.untyped_storage()
         start = tensor.storage_offset() * tensor.element_size()
-        new = _claim(self._covered.setdefault((storage.data_ptr(), str(storage.device)), []),
+        # runs twice per optimizer step: the device object, not its (slow) str(), keys the storage
+        new = _claim(self._covered.setdefault((storage.data_ptr(), tensor.device), []),
                      start, start + tensor.numel() * tensor.element_size())
         self.bytes[category] += new
         if offloaded:
@@ -314,7 +316,7 @@ class Strategy:
     def _optimizer_step(self, closure=None):
         if not self.at_boundary:
             return None
-        before = self._make_ledger("pre")
+        before = self._make_ledger("pre", only=("grads",))  # only its gradients are kept
         out = self._step(closure)
         self._steps += 1
         after = self._make_ledger(f"step {self._steps}")
@@ -344,8 +346,8 @@ class Strategy:
     def _tally(self, tally: Tally) -> None:
         raise NotImplementedError
 
-    def _make_ledger(self, when: str) -> MemoryLedger:
-        tally = Tally()
+    def _make_ledger(self, when: str, only: tuple[str, ...] | None = None) -> MemoryLedger:
+        tally = Tally(only)
         self._tally(tally)
         return MemoryLedger(rank=self.rank, strategy=self.name, when=when,
                             offloaded={k: v for k, v in tally.offloaded.items() if v},
