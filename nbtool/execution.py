@@ -21,6 +21,8 @@ TICK_S = 0.05
 # after a rank fails, how long the others may keep running before they are stopped
 # (they are usually released at once: a dead peer breaks their collective)
 PEER_GRACE_S = 2.0
+# a rank whose engine has not begun the cell by then does not respond (stopped, suspended)
+UNRESPONSIVE_S = 10.0
 
 
 class RankError(Exception):
@@ -53,6 +55,11 @@ class RankError(Exception):
 class CellTimeout(Exception):
     def _render_traceback_(self):
         return [f"CellTimeout: {self}"]
+
+
+class RanksUnresponsive(Exception):
+    def _render_traceback_(self):
+        return [f"RanksUnresponsive: {self}"]
 
 
 class RanksInterrupted(KeyboardInterrupt):
@@ -125,12 +132,26 @@ def run_cell(
             if timeout is not None and time.perf_counter() - t0 > timeout:
                 stop_reason = "timeout"
                 break
+            if time.perf_counter() - t0 > UNRESPONSIVE_S and _silent(children):
+                stop_reason = "unresponsive"
+                break
     except KeyboardInterrupt:
         stop_reason = "interrupt"
 
     # a timeout or Ctrl-C that lands after every rank finished: the cell simply finished
     late = unfinished() if stop_reason else []
     released = None
+    if stop_reason == "unresponsive":
+        silent = _silent(children)
+        others = [r for r in late if r not in silent]
+        released = faults.release(cluster, ar, children, others, progress, unresponsive=silent) if others else None
+        out.finish(texts())
+        cluster.group_closed = cluster.group_closed or f"{label_ranks(silent)} stopped responding"
+        what = (f"{label_ranks(silent)} did not start the cell within {UNRESPONSIVE_S:g}s: the engine does not "
+                "respond (its process is stopped or suspended, or its machine is asleep)")
+        if released is not None:
+            what += "; " + released.note()
+        raise RanksUnresponsive(what + f"; %cluster restart brings back {cluster.world_size} fresh rank(s)")
     if late:
         outputs = {r: t for r, t in zip(ranks, texts())}
         released = faults.release(cluster, ar, children, late, progress)
@@ -176,6 +197,11 @@ def _show_rich_outputs(children, rank: int) -> None:
             continue
         for content in f.output.metadata.get("outputs", []):
             shell.display_pub.publish(data=content["data"], metadata=content.get("metadata") or {})
+
+
+def _silent(children) -> list[int]:
+    """Ranks that have not begun executing (no execute_input from their engine yet)."""
+    return [r for r, f in children if not f.done() and f.output.metadata.get("execute_input") is None]
 
 
 def _error_of(f):

@@ -193,6 +193,7 @@ class Release:
     released: list[int]  # released from a collective by closing the process group
     closed_on: list[int]  # ranks whose process group was closed for that
     restarted: bool  # nothing else worked: fresh engines
+    stuck: list[int] = field(default_factory=list)  # still running (only when no restart was allowed)
 
     def note(self) -> str:
         parts = []
@@ -208,6 +209,8 @@ class Release:
         if self.restarted:
             parts.append("ranks stayed blocked in native code, so the engines were restarted "
                          "(fresh ranks: variables are gone; resume from a checkpoint)")
+        if self.stuck:
+            parts.append(f"{label_ranks(self.stuck)} still running (blocked)")
         return "; ".join(parts)
 
 
@@ -215,32 +218,45 @@ INTERRUPT_GRACE_S = 3.0
 RELEASE_GRACE_S = 3.0
 
 
-def release(cluster, ar, children, late: list[int], progress) -> Release:
-    """Stop ``late`` ranks: SIGINT, then close the process group on idle ranks, then restart."""
+def release(cluster, ar, children, late: list[int], progress, unresponsive: list[int] = ()) -> Release:
+    """Stop ``late`` ranks: SIGINT, then close the process group on idle ranks, then restart.
+
+    ``unresponsive`` ranks (engines that do not answer at all) are neither
+    signalled nor used to close the group, and no restart happens for them:
+    the user decides (the rank may come back, e.g. when a machine wakes).
+    """
     lost = set(cluster.lost_ranks())
     alive_late = [r for r in late if r not in lost]
+    futures = dict(children)
 
     def unfinished():
-        return [r for r, f in children if not f.done()]
+        return [r for r in late if r in futures and not futures[r].done()]
+
+    def wait(seconds: float):
+        deadline = time.perf_counter() + seconds
+        while unfinished() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        return unfinished()
 
     try:
         if alive_late:
             cluster.signal(alive_late, "SIGINT")
     except Exception:
         pass
-    ar.wait(INTERRUPT_GRACE_S)
-    stuck = unfinished()
+    stuck = wait(INTERRUPT_GRACE_S)
     stopped = [r for r in late if r not in stuck]
     if not stuck:
         return Release(stopped, [], [], False)
-    idle = [r for r in range(cluster.world_size) if r not in stuck and r not in lost]
+    idle = [r for r in range(cluster.world_size)
+            if r not in stuck and r not in lost and r not in unresponsive]
     if idle:
         cluster.close_group(idle, f"closed to release {label_ranks(stuck)} from a blocked collective")
-        ar.wait(RELEASE_GRACE_S)
-        still = unfinished()
+        still = wait(RELEASE_GRACE_S)
         if not still:
             return Release(stopped, stuck, idle, False)
         stuck = still
+    if unresponsive:
+        return Release(stopped, [], idle, False, stuck=stuck)
     progress(f"{label_ranks(stuck)} still blocked: restarting the engines ...")
     cluster.restart(progress)
     return Release(stopped, [], idle, True)

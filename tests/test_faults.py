@@ -16,7 +16,7 @@ import pytest
 import torch
 from helpers import alive, run
 
-from nbtool.execution import CellTimeout, RankError, RanksInterrupted
+from nbtool.execution import UNRESPONSIVE_S, CellTimeout, RankError, RanksInterrupted, RanksUnresponsive
 
 LOOP = """x = torch.ones(1000)
 import time
@@ -82,6 +82,25 @@ def test_engine_lost_while_idle_is_named_at_the_next_cell(ip, cluster, capsys):
     assert time.perf_counter() - t0 < 2  # a message, not a stall
     msg = str(res.error_in_exec)
     assert "rank(s) 0 are no longer connected" in msg and "%cluster restart brings back 2 fresh rank(s)" in msg
+    _restart(ip, capsys)
+
+
+def test_frozen_engine_is_named_at_the_next_cell_not_a_stall(ip, cluster, capsys):
+    """An engine that stops responding while idle (SIGSTOP, as a suspended machine would)."""
+    rc = _rank_cluster(cluster)
+    os.kill(rc.pids[1], signal.SIGSTOP)
+    try:
+        t0 = time.perf_counter()
+        res, out, _ = run(ip, capsys, "%%distributed\nprint('hello', rank)")
+        elapsed = time.perf_counter() - t0
+    finally:
+        os.kill(rc.pids[1], signal.SIGCONT)
+    err = res.error_in_exec
+    assert isinstance(err, RanksUnresponsive), err
+    assert str(err).startswith(f"rank 1 did not start the cell within {UNRESPONSIVE_S:g}s: the engine does not "
+                               "respond (its process is stopped or suspended")
+    assert "[rank 0] hello 0" in out
+    assert UNRESPONSIVE_S <= elapsed < UNRESPONSIVE_S + 5
     _restart(ip, capsys)
 
 
