@@ -29,15 +29,21 @@ from _shell import cluster_shell, median_step, nbtool_cluster
 
 HERE = Path(__file__).resolve().parent
 
-def raw(name: str, steps: int, warmup: int) -> list[float]:
+def raw(name: str, steps: int, warmup: int, tries: int = 2) -> list[float]:
+    """The hand-written loop under torchrun; retried once (a launch can lose its free port to a race)."""
     from nbtool.cluster import free_port
 
     env = dict(os.environ, DS_ACCELERATOR="cpu")
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-         "--master_port", str(free_port()), str(HERE / "_raw_loop.py"), name, str(steps), str(warmup)],
-        capture_output=True, text=True, env=env, check=True, timeout=600)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    for attempt in range(tries):
+        out = subprocess.run(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+             "--master_port", str(free_port()), str(HERE / "_raw_loop.py"), name, str(steps), str(warmup)],
+            capture_output=True, text=True, env=env, timeout=600)
+        if out.returncode == 0:
+            return json.loads(out.stdout.strip().splitlines()[-1])
+        print(f"torchrun {name} failed (exit {out.returncode}); last stderr lines:\n"
+              + "\n".join(out.stderr.strip().splitlines()[-5:]), file=sys.stderr)
+    raise RuntimeError(f"torchrun {name} failed {tries} times")
 
 
 def in_engine(view, name: str, steps: int, warmup: int) -> float:
