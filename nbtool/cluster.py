@@ -231,11 +231,7 @@ class RankCluster:
         the engine's log then tells a native crash (faulthandler's report)
         from a process that vanished without one (a signal such as SIGKILL).
         """
-        pid = self.pids[rank] if rank < len(self.pids) else None
-        code = None
-        for launcher in _engine_launchers(self._cluster):
-            if getattr(launcher, "pid", None) == pid:
-                code = (getattr(launcher, "stop_data", None) or {}).get("exit_code")
+        code = (getattr(self._launcher(rank), "stop_data", None) or {}).get("exit_code")
         if code is not None and code < 0:
             try:
                 return f"killed by {signal.Signals(-code).name}"
@@ -255,10 +251,17 @@ class RankCluster:
 
     def log_file(self, rank: int) -> str | None:
         """The engine's own log (its stderr: faulthandler stacks, native errors)."""
+        return getattr(self._launcher(rank), "output_file", None)
+
+    def _launcher(self, rank: int):
+        """ipyparallel's launcher of rank's engine process (matched by pid), or None."""
         pid = self.pids[rank] if rank < len(self.pids) else None
-        for launcher in _engine_launchers(self._cluster):
-            if getattr(getattr(launcher, "process", None), "pid", None) == pid:
-                return getattr(launcher, "output_file", None)
+        if self._cluster is None or pid is None:
+            return None
+        for engine_set in self._cluster.engines.values():
+            for launcher in getattr(engine_set, "launchers", {}).values():
+                if getattr(launcher, "pid", None) == pid:
+                    return launcher
         return None
 
     def close_group(self, ranks: list[int], reason: str, timeout: float = 5.0) -> None:
@@ -277,7 +280,8 @@ class RankCluster:
             return
         from .rank import watchdog
 
-        alive = [r for r in range(self.world_size) if r not in self.lost_ranks()]
+        lost = set(self.lost_ranks())
+        alive = [r for r in range(self.world_size) if r not in lost]
         self.view(alive).apply_sync(watchdog.configure, seconds)
         self.collective_timeout = seconds
 
@@ -319,15 +323,6 @@ def _tail(path: str | None, nbytes: int = 4096) -> str:
             return f.read().decode(errors="replace")
     except OSError:
         return ""
-
-
-def _engine_launchers(cluster) -> list:
-    if cluster is None:
-        return []
-    out = []
-    for engine_set in cluster.engines.values():
-        out.extend(getattr(engine_set, "launchers", {}).values())
-    return out
 
 
 def _wait_launcher(launcher, timeout: float = 10.0) -> None:

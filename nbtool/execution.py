@@ -95,8 +95,9 @@ def run_cell(
 
     Raises RankError (some rank raised or died; the others were stopped
     after PEER_GRACE_S), CellTimeout (``timeout`` passed; unfinished ranks
-    were interrupted) or RanksInterrupted (Ctrl-C, forwarded to the ranks as
-    SIGINT). Ranks that an interrupt cannot stop (blocked in a collective)
+    were interrupted), RanksInterrupted (Ctrl-C, forwarded to the ranks as
+    SIGINT) or RanksUnresponsive (a rank's engine had not begun the cell after
+    UNRESPONSIVE_S). Ranks that an interrupt cannot stop (blocked in a collective)
     are released by ``faults.release``. The hang watchdog's reports are
     printed while the cell runs. ``quiet`` hides the ranks' output, not
     errors. ``on_tick(children)`` is called from this (the kernel's main)

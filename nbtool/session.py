@@ -17,9 +17,7 @@ from .options import ClusterOptions, format_ranks, label_ranks
 
 
 def start(opts: ClusterOptions, in_kernel: bool) -> RankCluster:
-    from .widgets import ProgressLine
-
-    return RankCluster.start(opts, progress=ProgressLine(in_kernel))
+    return RankCluster.start(opts, progress=_progress(in_kernel))
 
 
 def stop(cluster: RankCluster) -> None:
@@ -46,9 +44,7 @@ def status(cluster: RankCluster):
 
 
 def restart(cluster: RankCluster, in_kernel: bool) -> None:
-    from .widgets import ProgressLine
-
-    cluster.restart(ProgressLine(in_kernel))
+    cluster.restart(_progress(in_kernel))
 
 
 def _progress(in_kernel: bool):
@@ -397,6 +393,7 @@ def plan_vs_last() -> None:
 def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = True) -> dict:
     """%dist_checkpoint: save or load on every rank through the last strategy cell's strategy."""
     from .execution import RankError
+    from .faults import RankFailure
     from .rank import strategies
 
     ranks = list(range(cluster.world_size))
@@ -416,8 +413,8 @@ def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = T
             raise UsageError(f"%dist_checkpoint {action}: {e.elist[0][1]}") from None
         groups: dict = {}
         for ename, evalue, tb, info in e.elist:
-            err = type("Remote", (), {"ename": ename, "evalue": evalue, "traceback": ""})()
-            groups.setdefault((ename, evalue), ([], err))[0].append(cluster.rank_of(info["engine_id"]))
+            groups.setdefault((ename, evalue), ([], RankFailure(ename, evalue)))[0].append(
+                cluster.rank_of(info["engine_id"]))
         raise RankError(sorted(groups.values(), key=lambda g: g[0][0])) from None
     info = results[0]
     if action == "save":
@@ -454,7 +451,7 @@ def pull(cluster: RankCluster, names: list[str], rank: int | None) -> dict:
 
 
 def _check_alive(cluster: RankCluster, ranks: list[int]) -> None:
-    lost = [r for r in ranks if r in cluster.lost_ranks()]
+    lost = sorted(set(ranks) & set(cluster.lost_ranks()))
     if lost:
         reasons = "; ".join(f"rank {r}: {cluster.exit_reason(r)}" for r in lost)
         raise UsageError(

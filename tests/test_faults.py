@@ -222,17 +222,19 @@ def _pull(ip, name):
     return ip.user_ns[name]
 
 
+def _train(ip, capsys, line: str, body: str):
+    """Run ``body`` under ``%%distributed LINE --no-metrics --quiet``, which must succeed."""
+    res, _, _ = run(ip, capsys, f"%%distributed {line} --no-metrics --quiet\n{body}")
+    assert res.success, (line, res.error_in_exec)
+
+
 def test_checkpoint_weights_identical_across_strategies(ip, cluster, capsys, tmp_path):
     path = str(tmp_path / "ck")
-    res, _, _ = run(ip, capsys, f"%%distributed ddp --no-metrics --quiet\n{SETUP}{TRAIN}"
-                                f"ref = strategy.full_state_dict()\nsaved = strategy.save({path!r})\n")
-    assert res.success, res.error_in_exec
+    _train(ip, capsys, "ddp", f"{SETUP}{TRAIN}ref = strategy.full_state_dict()\nsaved = strategy.save({path!r})\n")
     ref = _pull(ip, "ref")
     assert sorted(os.listdir(path)) == ["ckpt-000004-" + _pull(ip, "saved")["dir"][-8:], "latest"]
     for name in ("fsdp", "zero3", "zero1", "ddp"):
-        res, _, _ = run(ip, capsys, f"%%distributed {name} --no-metrics --quiet\n{SETUP}"
-                                    f"info = strategy.load({path!r})\nsd = strategy.full_state_dict()\n")
-        assert res.success, (name, res.error_in_exec)
+        _train(ip, capsys, name, f"{SETUP}info = strategy.load({path!r})\nsd = strategy.full_state_dict()\n")
         sd, info = _pull(ip, "sd"), _pull(ip, "info")
         assert sorted(sd) == sorted(ref)
         assert all(torch.equal(sd[k], ref[k]) for k in ref), name
@@ -246,12 +248,8 @@ def test_checkpoint_weights_identical_across_strategies(ip, cluster, capsys, tmp
 def test_resume_continues_exactly(ip, cluster, capsys, tmp_path, strategy):
     """Save mid-run, keep training; a fresh cell that loads and trains the same steps lands on the same weights."""
     path = str(tmp_path / strategy)
-    res, _, _ = run(ip, capsys, f"%%distributed {strategy} --no-metrics --quiet\n{SETUP}{TRAIN}"
-                                f"strategy.save({path!r})\n{TRAIN}a = strategy.full_state_dict()\n")
-    assert res.success, res.error_in_exec
-    res, _, _ = run(ip, capsys, f"%%distributed {strategy} --no-metrics --quiet\n{SETUP}"
-                                f"info = strategy.load({path!r})\n{TRAIN}b = strategy.full_state_dict()\n")
-    assert res.success, res.error_in_exec
+    _train(ip, capsys, strategy, f"{SETUP}{TRAIN}strategy.save({path!r})\n{TRAIN}a = strategy.full_state_dict()\n")
+    _train(ip, capsys, strategy, f"{SETUP}info = strategy.load({path!r})\n{TRAIN}b = strategy.full_state_dict()\n")
     a, b, info = _pull(ip, "a"), _pull(ip, "b"), _pull(ip, "info")
     assert info["restored"] == "model and optimizer"
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -259,9 +257,7 @@ def test_resume_continues_exactly(ip, cluster, capsys, tmp_path, strategy):
 
 def test_checkpoint_magic_and_checkpoint_every(ip, cluster, capsys, tmp_path):
     path = str(tmp_path / "every")
-    res, _, _ = run(ip, capsys, f"%%distributed zero3 --no-metrics --quiet --checkpoint-every 2 "
-                                f"--checkpoint-dir {path}\n{SETUP}{TRAIN}")
-    assert res.success, res.error_in_exec
+    _train(ip, capsys, f"zero3 --checkpoint-every 2 --checkpoint-dir {path}", f"{SETUP}{TRAIN}")
     from nbtool.checkpoint_layout import read_meta
 
     assert read_meta(path)["steps"] == 4 and read_meta(path)["strategy"] == "zero3"
@@ -276,9 +272,7 @@ def test_checkpoint_magic_and_checkpoint_every(ip, cluster, capsys, tmp_path):
 
 def test_killed_save_leaves_the_previous_checkpoint(ip, cluster, capsys, tmp_path):
     path = str(tmp_path / "atomic")
-    res, _, _ = run(ip, capsys, f"%%distributed ddp --no-metrics --quiet\n{SETUP}{TRAIN}"
-                                f"first = strategy.full_state_dict()\nstrategy.save({path!r})\n")
-    assert res.success, res.error_in_exec
+    _train(ip, capsys, "ddp", f"{SETUP}{TRAIN}first = strategy.full_state_dict()\nstrategy.save({path!r})\n")
     first = _pull(ip, "first")
     # rank 1 dies half-way through the next save: after the model files, before the optimizer's
     res, _, _ = run(ip, capsys, f"""%%distributed ddp --no-metrics --quiet
@@ -295,8 +289,6 @@ strategy.save({path!r})
     assert isinstance(res.error_in_exec, RankError) and "rank 1 died" in str(res.error_in_exec)
     assert len([d for d in os.listdir(path) if d.startswith("ckpt-")]) == 2  # the partial one is there ...
     _restart(ip, capsys)
-    res, _, _ = run(ip, capsys, f"%%distributed fsdp --no-metrics --quiet\n{SETUP}"
-                                f"info = strategy.load({path!r})\nsd = strategy.full_state_dict()\n")
-    assert res.success, res.error_in_exec
+    _train(ip, capsys, "fsdp", f"{SETUP}info = strategy.load({path!r})\nsd = strategy.full_state_dict()\n")
     sd, info = _pull(ip, "sd"), _pull(ip, "info")  # ... but the complete one loads
     assert info["steps"] == 4 and all(torch.equal(sd[k], first[k]) for k in first)

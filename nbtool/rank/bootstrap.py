@@ -210,7 +210,10 @@ def _watch_kernel(kernel_pid: int, controller_pid: int | None, cleanup_paths: tu
         import shutil
 
         for path in cleanup_paths:
-            shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else _unlink(path)
+            if os.path.isdir(path):
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                _unlink(path)
         os._exit(0)
 
     _watcher = threading.Thread(target=run, name="nbtool-kernel-watch", daemon=True)
