@@ -32,3 +32,16 @@ def current_cluster():
     ``.text()``), ``group_closed`` why collectives are unusable, if they are.
     """
     return _magics.rank_cluster if _magics is not None else None
+
+
+def last_run(name: str | None = None):
+    """The records of the last ``%%distributed STRATEGY`` run, or of the run called ``name``.
+
+    A nbtool.metrics.RunRecords: ``.comms`` (every collective), ``.memory``,
+    ``.steps``, ``.scalars``, ``.pipeline``; None before any recorded run.
+    """
+    from . import session
+
+    if name is not None:
+        return session.RUNS.get(name)
+    return session.LAST[0] if session.LAST else None

@@ -22,11 +22,13 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(dim, dim)
 
     def forward(self, x):
-        b, s, d = x.shape
-        h = self.heads
-        q, k, v = (proj(x).view(b, s, h, d // h).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        b, s, _ = x.shape
+        # head width from the projection's own output, so a tensor-parallel rank
+        # (q/k/v column-sharded, self.heads = local heads) runs the same code
+        q, k, v = (proj(x).view(b, s, self.heads, -1).transpose(1, 2)
+                   for proj in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(b, s, d))
+        return self.o_proj(y.transpose(1, 2).reshape(b, s, -1))
 
 
 class MLP(nn.Module):
@@ -64,11 +66,16 @@ class TinyTransformer(nn.Module):
         self.head = nn.Linear(dim, vocab)
 
     def forward(self, ids):
-        pos = torch.arange(ids.shape[1], device=ids.device)
-        x = self.embed(ids) + self.pos(pos)
+        # parts set to None are skipped, so one pipeline stage can run its share of the
+        # model (the torchtitan convention nbtool's pp strategy relies on)
+        x = ids
+        if self.embed is not None:
+            x = self.embed(ids) + self.pos(torch.arange(ids.shape[1], device=ids.device))
         for block in self.blocks:
             x = block(x)
-        return self.head(self.ln_f(x))
+        if self.head is not None:
+            x = self.head(self.ln_f(x))
+        return x
 
 
 def lm_loss(logits, targets):

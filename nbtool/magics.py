@@ -24,6 +24,7 @@ from .options import (
     strategy_spec,
 )
 from .rank.strategies.spec import NAMES as STRATEGIES
+from .rank.strategies.spec import SCHEDULES
 from .rank.strategies.spec import OFFLOADS, PRECISIONS
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
@@ -88,6 +89,17 @@ def _strategy_options(f):
         argument("--ds-config", default=None, metavar="FILE", help="zero*: start from this DeepSpeed JSON"),
         argument("--export-config", default=None, metavar="FILE",
                  help="zero*: write the exact DeepSpeed JSON used to FILE"),
+        argument("--dp", type=positive_int, default=None, metavar="D",
+                 help="tp/pp/fsdp: data-parallel size of the layout (default: the ranks left over)"),
+        argument("--tp", type=positive_int, default=None, metavar="T",
+                 help="tp/pp/fsdp: tensor-parallel size (DTensor ColwiseParallel/RowwiseParallel plan)"),
+        argument("--pp", type=positive_int, default=None, metavar="P",
+                 help="tp/pp/fsdp: pipeline stages (torch.distributed.pipelining)"),
+        argument("--sp", action="store_true",
+                 help="tp: sequence parallelism (activations split along the sequence outside TP regions)"),
+        argument("--microbatches", type=positive_int, default=None, metavar="M",
+                 help="pp: micro-batches per batch (default 2 x pp)"),
+        argument("--schedule", choices=SCHEDULES, default=None, help="pp: gpipe or 1f1b (default 1f1b)"),
         argument("--no-metrics", dest="metrics", action="store_false", default=True,
                  help="do not record collectives, memory and steps for this cell"),
         argument("--no-watch", dest="watch", action="store_false", default=True,
@@ -102,12 +114,13 @@ def _strategy_options(f):
     return f
 
 
-def parse_strategy_line(line: str, backend: str | None = None, device_kind: str = "cuda"):
+def parse_strategy_line(line: str, backend: str | None = None, device_kind: str = "cuda",
+                        world_size: int | None = None):
     """The StrategySpec a ``%%distributed STRATEGY ...`` line (without ``%%distributed``) asks for."""
     args = parse_argstring(NbtoolMagics.distributed, line)
     if args.strategy not in STRATEGIES:
         raise UsageError(f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)}")
-    return strategy_spec(args, backend, device_kind)
+    return strategy_spec(args, backend, device_kind, world_size)
 
 
 @magics_class
@@ -201,9 +214,10 @@ class NbtoolMagics(Magics):
         shows grouped by rank; an exception on any rank fails the cell.
         Ctrl-C interrupts every rank.
 
-        With a strategy word (ddp, fsdp, zero1, zero2, zero3) the cell also
-        gets ``strategy``: ``model, optimizer = strategy.prepare(model,
-        optimizer)``, ``strategy.backward(loss)``,
+        With a strategy word (ddp, fsdp, zero1, zero2, zero3, tp, pp) the cell
+        also gets ``strategy``: ``model, optimizer = strategy.prepare(model,
+        optimizer)``, ``strategy.backward(loss)`` (or ``loss =
+        strategy.forward_backward(x, y)``, required under pp),
         ``strategy.dataloader(dataset, batch_size=...)``, ``strategy.log(...)``,
         ``strategy.memory_ledger()``, ``strategy.full_state_dict()``,
         ``strategy.describe()``. Only the word changes between strategies.
@@ -226,7 +240,7 @@ class NbtoolMagics(Magics):
         cluster = self._require_cluster()
         if args.ranks is not None:
             raise UsageError(f"--ranks does not apply with a strategy: {args.strategy} runs on every rank")
-        spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind)
+        spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind, cluster.layout.n)
         from . import session
 
         session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
@@ -262,7 +276,7 @@ class NbtoolMagics(Magics):
             if name in seen:
                 raise UsageError(f"compare: {name!r} is listed twice")
             seen.add(name)
-            runs.append((name, strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind)))
+            runs.append((name, strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind, cluster.layout.n)))
             timeout = args.timeout if args.timeout is not None else timeout
             collective_timeout = args.collective_timeout or collective_timeout
             quiet = quiet or args.quiet

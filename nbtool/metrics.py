@@ -81,7 +81,8 @@ class CommRecord:
     ``size_bytes`` is S as nccl-tests defines it for the op (see
     nbtool.collectives); ``bus_bytes`` = S * bus factor. ``clock`` says how
     ``seconds`` was measured: "wall" (issue to completion on the host clock:
-    the call's return for blocking ops, the work's future for async ones) or
+    the call's return for blocking ops, the work's future for async ones,
+    the caller's wait() for gloo send/recv, which have no future) or
     "cuda_event" (device time between CUDA events on the issuing stream).
     """
 
@@ -147,7 +148,43 @@ class ScalarRecord:
     schema: int = SCHEMA_VERSION
 
 
-RECORD_TYPES = {c.__name__: c for c in (CommRecord, MemorySample, StepMarker, ScalarRecord, MemoryLedger)}
+@dataclass
+class PipelineStep:
+    """One pipeline-parallel training step on one rank: how long its stage computed and idled.
+
+    ``step_s`` is the wall time of the schedule's step (forward and backward
+    of every micro-batch); ``compute_s`` the time spent in the stage's own
+    forward and backward chunks. The rest, ``idle_s``, is the bubble: waiting
+    for the neighbouring stages, plus sending and receiving. For equal stages
+    theory gives (stages - 1) / (microbatches + stages - 1) of the step.
+    """
+
+    rank: int
+    step: int  # the optimizer step this schedule step belongs to (1 for the first)
+    t: float
+    stage: int
+    stages: int
+    microbatches: int
+    schedule: str
+    step_s: float
+    compute_s: float
+    schema: int = SCHEMA_VERSION
+
+    @property
+    def idle_s(self) -> float:
+        return max(0.0, self.step_s - self.compute_s)
+
+    @property
+    def bubble_theory(self) -> float:
+        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+
+
+RECORD_TYPES = {c.__name__: c for c in (CommRecord, MemorySample, StepMarker, ScalarRecord, MemoryLedger,
+                                         PipelineStep)}
+# RunRecords list -> record type (JSON keys), and the CSV "kind" of each
+KINDS = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord,
+         "pipeline": PipelineStep}
+CSV_KINDS = {"comm": "comms", "memory": "memory", "step": "steps", "scalar": "scalars", "pipeline": "pipeline"}
 
 
 @dataclass
@@ -164,17 +201,18 @@ class RunRecords:
     memory: list = field(default_factory=list)
     steps: list = field(default_factory=list)
     scalars: list = field(default_factory=list)
+    pipeline: list = field(default_factory=list)  # PipelineStep records (pp runs only)
     schema: int = SCHEMA_VERSION
 
     def add(self, records) -> None:
+        lists = {kind: getattr(self, key) for key, kind in KINDS.items()}
         for r in records:
-            {CommRecord: self.comms, MemorySample: self.memory, StepMarker: self.steps,
-             ScalarRecord: self.scalars}[type(r)].append(r)
+            lists[type(r)].append(r)
 
     def to_json(self) -> dict:
         d = {k: getattr(self, k) for k in ("name", "strategy", "world_size", "t_start", "t_end",
                                              "description", "schema")}
-        for key in ("comms", "memory", "steps", "scalars"):
+        for key in KINDS:
             d[key] = [asdict(r) for r in getattr(self, key)]
         return d
 
@@ -182,9 +220,8 @@ class RunRecords:
     def from_json(cls, d: dict) -> "RunRecords":
         if d.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"record schema {d.get('schema')} is not {SCHEMA_VERSION} (this nbtool)")
-        kinds = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord}
         run = cls(**{k: d[k] for k in ("name", "strategy", "world_size", "t_start", "t_end", "description")})
-        for key, kind in kinds.items():
+        for key, kind in KINDS.items():
             getattr(run, key).extend(kind(**r) for r in d.get(key, []))
         return run
 
@@ -192,9 +229,7 @@ class RunRecords:
 def export(run: RunRecords, path: str) -> None:
     """Write ``run`` as JSON (``.json``) or as CSV (``.csv``: one row per record, a ``kind`` column)."""
     if str(path).endswith(".csv"):
-        rows = [(kind, asdict(r)) for kind, items in (("comm", run.comms), ("memory", run.memory),
-                                                       ("step", run.steps), ("scalar", run.scalars))
-                for r in items]
+        rows = [(kind, asdict(r)) for kind, key in CSV_KINDS.items() for r in getattr(run, key)]
         columns = ["kind"] + sorted({k for _, r in rows for k in r})
         with open(path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=columns)
@@ -211,14 +246,13 @@ def load(path: str) -> RunRecords:
     if not str(path).endswith(".csv"):
         with open(path) as f:
             return RunRecords.from_json(json.load(f))
-    kinds = {"comm": CommRecord, "memory": MemorySample, "step": StepMarker, "scalar": ScalarRecord}
     run = RunRecords(name=str(path), strategy=None, world_size=0, t_start=0.0)
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
-            kind = kinds[row.pop("kind")]
+            kind = KINDS[CSV_KINDS[row.pop("kind")]]
             names = {fl.name: fl for fl in fields(kind)}
             run.add([kind(**{k: _from_csv(v, names[k].type) for k, v in row.items() if k in names})])
-    run.world_size = max((r.rank for r in run.memory + run.steps + run.comms + run.scalars), default=-1) + 1
+    run.world_size = max((r.rank for key in KINDS for r in getattr(run, key)), default=-1) + 1
     return run
 
 

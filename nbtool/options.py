@@ -153,7 +153,7 @@ def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
     return Layout(n, "gloo", None)
 
 
-def strategy_spec(args, backend: str | None, device_kind: str):
+def strategy_spec(args, backend: str | None, device_kind: str, world_size: int | None = None):
     """A checked StrategySpec from parsed %%distributed arguments (UsageError if not valid)."""
     import json
 
@@ -191,9 +191,11 @@ def strategy_spec(args, backend: str | None, device_kind: str):
         ds_config=ds_config,
         checkpoint_every=args.checkpoint_every,
         checkpoint_dir=args.checkpoint_dir,
+        dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp,
+        microbatches=args.microbatches, schedule=args.schedule,
     )
     try:
-        validate(spec, backend, device_kind)
+        validate(spec, backend, device_kind, world_size)
     except SpecError as e:
         raise UsageError(str(e)) from None
     if args.export_config and not spec.is_zero:
@@ -205,8 +207,9 @@ STRATEGY_ONLY_OPTIONS = (
     "precision", "grad_accum", "activation_checkpointing", "seed", "grad_clip", "bucket_mb", "wrap", "offload",
     "overlap_comm", "contiguous_gradients", "reduce_bucket_mb", "allgather_bucket_mb", "micro_batch",
     "ds_config", "export_config", "name", "checkpoint_every", "checkpoint_dir",
+    "dp", "tp", "pp", "microbatches", "schedule",
 )
-FLAG_OPTIONS = {"grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True,
+FLAG_OPTIONS = {"sp": False, "grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True,
                 "metrics": True, "watch": True}
 
 

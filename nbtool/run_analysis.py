@@ -86,3 +86,24 @@ def summary(run: RunRecords) -> dict:
         "comm_s_per_step": mean([s["comm_s"] for s in steps]),
         "final_loss": losses[-1].values["loss"] if losses else None,
     }
+
+
+def bubble_table(run: RunRecords) -> list[dict]:
+    """Per rank of a pipeline run: its stage, mean step and compute seconds, the idle (bubble)
+    fraction measured, and theory's (p-1)/(M+p-1) for equal stages. Step 1 (shape inference,
+    warm-up) is left out when there are later steps."""
+    by_rank = defaultdict(list)
+    for p in run.pipeline:
+        by_rank[p.rank].append(p)
+    rows = []
+    for rank in sorted(by_rank):
+        recs = by_rank[rank]
+        later = [p for p in recs if p.step > 1] or recs
+        step_s = statistics.fmean(p.step_s for p in later)
+        compute_s = statistics.fmean(p.compute_s for p in later)
+        rows.append({"rank": rank, "stage": recs[0].stage, "stages": recs[0].stages,
+                     "microbatches": recs[0].microbatches, "schedule": recs[0].schedule,
+                     "step_s": step_s, "compute_s": compute_s, "idle_s": max(0.0, step_s - compute_s),
+                     "bubble": max(0.0, step_s - compute_s) / step_s if step_s else 0.0,
+                     "theory": recs[0].bubble_theory})
+    return rows

@@ -5,6 +5,7 @@ layers to the notebook's display.
 """
 from __future__ import annotations
 
+import re
 import sys
 import time
 
@@ -110,7 +111,10 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
 
         from .widgets import Dashboard
 
-        dash = Dashboard(cluster.world_size, title=f"{run.name}: live")
+        from .rank.strategies.spec import LAYOUT_NAMES, parallel_dims
+
+        pipeline = spec.name in LAYOUT_NAMES and parallel_dims(spec, cluster.world_size)[2] > 1
+        dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline)
         display(dash.widget)
     try:
         cluster.view(ranks).apply_sync(strategies.install, spec, metrics, dash is not None)
@@ -380,7 +384,16 @@ def plan_vs_last() -> None:
     layout = {"fsdp": "fsdp" if desc.get("reshard_after_forward", True) else "fsdp-grad-op"}.get(run.strategy, run.strategy)
     hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
     precision = desc.get("precision_spec", "fp32")
-    e = estimate(layout, shape, Training(precision=precision), hw)
+    dims = re.fullmatch(r"dp\((\d+)\) x tp\((\d+)\) x pp\((\d+)\)", str(desc.get("sharding", "")))
+    tp = pp = 1
+    note = None
+    if dims:  # a tp / pp layout
+        dp, tp, pp = map(int, dims.groups())
+        layout = "tp-pp" if tp > 1 and pp > 1 else ("tp" if tp > 1 else "pp")
+        note = ("the planner splits every parameter over tp x pp (Megatron's approximation); here embeddings, "
+                "norms and row-parallel biases stay whole under tp, and stages differ in size under pp"
+                + ("; FSDP over dp shards further (not predicted)" if run.strategy == "fsdp" and dp > 1 else ""))
+    e = estimate(layout, shape, Training(precision=precision), hw, tp=tp, pp=pp)
     print(f"run {run.name!r} ({run.strategy}, {precision}, {run.world_size} ranks): model states in bytes")
     print(f"{'category':<12} {'predicted':>14} " + " ".join(f"{'rank ' + str(r):>14}" for r in range(run.world_size)))
     measured = [peak_ledger(run, r) for r in range(run.world_size)]
@@ -388,6 +401,8 @@ def plan_vs_last() -> None:
     for name, cats in rows:
         vals = [sum(m[c] for c in cats) for m in measured]
         print(f"{name:<12} {int(e.device.get(name, 0)):>14,} " + " ".join(f"{v:>14,}" for v in vals))
+    if note:
+        print(f"note: {note}")
 
 
 def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = True) -> dict:

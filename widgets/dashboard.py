@@ -1,6 +1,7 @@
 """The live dashboard under a ``%%distributed STRATEGY`` cell.
 
-Consumes RunRecords only. One plotly FigureWidget with six panels whose
+Consumes RunRecords only. One plotly FigureWidget with six panels (a
+seventh, the pipeline bubble per stage, for pp runs) whose
 traces are created once and mutated in place (``batch_update`` inside the
 container's ``hold_sync``: one message per refresh); the caller throttles
 refreshes. ``static()`` gives a plain Figure copy to leave in the notebook.
@@ -25,14 +26,21 @@ PANELS = (
     "collective latency (ms)", "bus bandwidth vs size (GB/s)", "per step, rank 0: comm vs other (ms)",
 )
 
+PIPELINE_PANEL = "pipeline: per-step compute vs bubble per stage (ms)"
+
 
 class Dashboard:
-    def __init__(self, world_size: int, title: str = "", refresh_s: float = 0.5):
+    def __init__(self, world_size: int, title: str = "", refresh_s: float = 0.5, pipeline: bool = False):
         self.world_size = world_size
+        self.pipeline = pipeline  # a third row: each stage's compute vs bubble
         self.refresh_s = refresh_s
         self._last = 0.0
         self.refreshes = 0
-        fig = make_subplots(rows=2, cols=3, subplot_titles=PANELS, horizontal_spacing=0.07, vertical_spacing=0.16)
+        rows = 3 if pipeline else 2
+        specs = [[{}, {}, {}]] * 2 + ([[{"colspan": 3}, None, None]] if pipeline else [])
+        titles = PANELS + ((PIPELINE_PANEL,) if pipeline else ())
+        fig = make_subplots(rows=rows, cols=3, specs=specs, subplot_titles=titles, horizontal_spacing=0.07,
+                            vertical_spacing=0.1 if pipeline else 0.16)
         ranks = [f"rank {r}" for r in range(world_size)]
         for i, cat in enumerate(LEDGER_CATEGORIES):
             fig.add_trace(go.Bar(x=ranks, y=[0] * world_size, name=cat, marker_color=COLORS[i],
@@ -51,7 +59,13 @@ class Dashboard:
         fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#ef553b", showlegend=False), 2, 3)
         fig.add_trace(go.Bar(x=[], y=[], name="other (compute, data, optimizer)", marker_color="#636efa",
                              showlegend=False), 2, 3)
-        fig.update_layout(barmode="stack", height=620, margin=dict(t=60, l=40, r=20, b=40),
+        self._step_traces = (len(fig.data) - 2, len(fig.data) - 1)
+        if pipeline:
+            stages = [f"rank {r}" for r in range(world_size)]
+            fig.add_trace(go.Bar(x=stages, y=[0] * world_size, name="stage compute", marker_color="#00cc96"), 3, 1)
+            fig.add_trace(go.Bar(x=stages, y=[0] * world_size, name="bubble (idle, send/recv)",
+                                 marker_color="#d3d3d3"), 3, 1)
+        fig.update_layout(barmode="stack", height=620 + (260 if pipeline else 0), margin=dict(t=60, l=40, r=20, b=40),
                           title=title, legend=dict(orientation="h", y=-0.08))
         fig.update_xaxes(type="log", title_text="S (bytes)", row=2, col=2)
         fig.update_xaxes(title_text="s since start", row=1, col=2)
@@ -114,13 +128,30 @@ class Dashboard:
                 cs = [c for c in run.comms if c.op == name and c.size_bytes > 0 and c.seconds > 0]
                 traces[base + i].x = [c.size_bytes for c in cs]
                 traces[base + i].y = [c.busbw / 1e9 for c in cs]
-            traces[-2].x = traces[-1].x = [s["step"] for s in steps]
-            traces[-2].y = [s["comm_s"] * 1e3 for s in steps]
-            traces[-1].y = [s["compute_s"] * 1e3 for s in steps]
+            comm, other = (traces[i] for i in self._step_traces)
+            comm.x = other.x = [s["step"] for s in steps]
+            comm.y = [s["comm_s"] * 1e3 for s in steps]
+            other.y = [s["compute_s"] * 1e3 for s in steps]
+            if self.pipeline:
+                self._refresh_bubble(run)
             self.fig.layout.annotations[3].text = f"collective latency (ms): {op}"
             self.status.value = self._status_html(run, spread)
         self.refreshes += 1
         return True
+
+    def _refresh_bubble(self, run: RunRecords) -> None:
+        rows = run_analysis.bubble_table(run)
+        if not rows:
+            return
+        compute, idle = self.fig.data[-2], self.fig.data[-1]
+        compute.x = idle.x = [f"rank {r['rank']} (stage {r['stage']})" for r in rows]
+        compute.y = [r["compute_s"] * 1e3 for r in rows]
+        idle.y = [r["idle_s"] * 1e3 for r in rows]
+        idle.text = [f"{r['bubble']:.0%} idle" for r in rows]
+        r0 = rows[0]
+        self.fig.layout.annotations[len(PANELS)].text = (
+            f"{PIPELINE_PANEL}: {r0['schedule']}, {r0['microbatches']} micro-batches, "
+            f"theory for equal stages {r0['theory']:.0%}")
 
     def _status_html(self, run: RunRecords, spread) -> str:
         return "<span style='font-family:monospace'>" + html.escape(self.status_text(run, spread)) + "</span>"
@@ -132,6 +163,10 @@ class Dashboard:
             spread = run_analysis.straggler_spread(run)
         n_steps = max((m.step for m in run.steps), default=0)
         parts = [f"{len(run.comms)} collectives recorded", f"{n_steps} optimizer steps"]
+        bubble = run_analysis.bubble_table(run)
+        if bubble:
+            parts.append("pipeline bubble " + ", ".join(f"stage {r['stage']} {r['bubble']:.0%}" for r in bubble)
+                         + f" (theory {bubble[0]['theory']:.0%})")
         if spread:
             worst = max(spread, key=lambda s: s[2])
             med = sorted(s[2] for s in spread)[len(spread) // 2]

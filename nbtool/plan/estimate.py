@@ -109,16 +109,18 @@ class Estimate:
 
     @property
     def runnable(self) -> bool:
-        """Whether nbtool's %%distributed can run this layout today (tensor/pipeline: not yet)."""
-        return self.layout in DP_LAYOUTS
+        """Whether nbtool's %%distributed has this layout (all do; options still validate per setup)."""
+        return True
 
     def magic_line(self, t: Training | None = None) -> str:
         """The %%distributed line for this layout and training setup (parses back to the same choice)."""
         t = t or Training()
-        words = [self._strategy_words()]
+        words = [self._strategy_words(t)]
         if t.precision != "fp32":
             words.append(f"--precision {t.precision}")
-        if t.grad_accum > 1:
+        if self.pp > 1:  # the micro-batches are the accumulation
+            words.append(f"--microbatches {t.grad_accum}")
+        elif t.grad_accum > 1:
             words.append(f"--grad-accum {t.grad_accum}")
         if t.checkpointing != "none":
             words.append("--activation-checkpointing")
@@ -127,10 +129,16 @@ class Estimate:
         return " ".join(words)
 
     def spec(self, t: Training | None = None):
-        """The StrategySpec the magic line asks for (DP layouts only), for validation and configs."""
+        """The StrategySpec the magic line asks for, for validation and configs."""
         from ..rank.strategies.spec import StrategySpec
 
         t = t or Training()
+        if self.layout in ("tp", "pp", "tp-pp"):
+            return StrategySpec(self._mesh_word(t), precision=t.precision,
+                                grad_accum=t.grad_accum if self.pp == 1 else 1,
+                                activation_checkpointing="" if t.checkpointing != "none" else None,
+                                dp=self.dp, tp=self.tp if self.tp > 1 else None, pp=self.pp if self.pp > 1 else None,
+                                sp=self.tp > 1, microbatches=t.grad_accum if self.pp > 1 else None)
         name = {"fsdp-grad-op": "fsdp"}.get(self.layout, self.layout.split("-")[0])
         offload = {"zero2-offload": "optimizer", "zero3-offload-optimizer": "optimizer",
                    "zero3-offload": "both"}.get(self.layout)
@@ -139,12 +147,22 @@ class Estimate:
                             reshard_after_forward=self.layout != "fsdp-grad-op", offload=offload,
                             micro_batch=t.micro_batch if name.startswith("zero") else 8)
 
-    def _strategy_words(self) -> str:
+    def _mesh_word(self, t: Training) -> str:
+        # tp/pp keep fp32 replicas over dp (as this estimate assumes); mixed precision runs as
+        # fsdp over dp with MixedPrecisionPolicy, which also shards the states over dp (less memory)
+        if t.precision != "fp32":
+            return "fsdp"
+        return "pp" if self.layout == "pp" else "tp"
+
+    def _strategy_words(self, t: Training | None = None) -> str:
+        t = t or Training()
         return {
             "ddp": "ddp", "fsdp": "fsdp", "fsdp-grad-op": "fsdp --no-reshard-after-forward",
             "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "zero2-offload": "zero2 --offload optimizer",
             "zero3-offload-optimizer": "zero3 --offload optimizer", "zero3-offload": "zero3 --offload both",
-        }.get(self.layout, f"fsdp --dp {self.dp} --tp {self.tp} --pp {self.pp}")
+        }.get(self.layout) or " ".join(
+            [self._mesh_word(t), f"--dp {self.dp}"]
+            + ([f"--tp {self.tp}", "--sp"] if self.tp > 1 else []) + ([f"--pp {self.pp}"] if self.pp > 1 else []))
 
 
 def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool) -> float:
@@ -202,7 +220,7 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
         shard = psi / (tp * pp)
         e.device.update(params=4 * shard, grads=4 * shard, optimizer=(8 if adam else 0) * shard)
         bus_dp = 2 * frac * shard * 4
-        if tp > 1:
+        if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
             bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * 2 * t.grad_accum
@@ -212,9 +230,10 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
         if pp > 1:
             s, b, h = seq, t.micro_batch, m.hidden
             micro = t.grad_accum
-            p2p = 2 * micro * s * b * h * 2
-            e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
-            e.comm_bus_bytes += p2p
+            if h:
+                p2p = 2 * micro * s * b * h * 2
+                e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
+                e.comm_bus_bytes += p2p
             e.bubble_s = e.compute_s * (pp - 1) / (micro + pp - 1)
             e.notes.append(f"pipeline {pp}: bubble (p-1)/(m+p-1) = {(pp - 1) / (micro + pp - 1):.0%} "
                            f"with m={micro} micro-batches (raise --grad-accum to shrink it)")

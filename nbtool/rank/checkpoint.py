@@ -58,9 +58,11 @@ def save(strategy, path: str) -> dict:
         dcp.save(get_optimizer_state_dict(strategy._plain, strategy.optimizer.inner),
                  checkpoint_id=os.path.join(target, "optim"))
     dist.barrier()  # every rank's files are complete
+    names = [None] * dist.get_world_size()  # pipeline stages each hold part of the model
+    dist.all_gather_object(names, sorted(model_sd))
     meta = {"format": FORMAT, "strategy": strategy.name, "precision": strategy.spec.precision,
             "world_size": strategy.world_size, "steps": strategy._steps, "time": time.time(),
-            "params": sorted(model_sd)}
+            "params": sorted(set().union(*names))}
     if dist.get_rank() == 0:
         with open(os.path.join(target, "meta.json"), "w") as f:
             json.dump(meta, f, indent=1)
@@ -82,7 +84,8 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
     d = latest_dir(path)
     sd = _model_state(strategy, for_load=True)
     missing = sorted(set(sd) - set(meta["params"]))
-    unexpected = sorted(set(meta["params"]) - set(sd))
+    # a pipeline stage loads its own part; any other model must match the checkpoint whole
+    unexpected = [] if getattr(strategy, "pp", 1) > 1 else sorted(set(meta["params"]) - set(sd))
     if missing or unexpected:
         raise CheckpointError(
             f"checkpoint {path!r} does not match this model: "
@@ -116,10 +119,10 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
 
 def _model_state(strategy, for_load: bool) -> dict:
     """The model state dict by plain parameter names, in the form this strategy holds it."""
-    if strategy.name == "fsdp":
+    if strategy.name == "fsdp" or strategy.spec.is_mesh:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(strategy._plain)  # DTensor shards
+        return get_model_state_dict(strategy._plain)  # DTensor shards (a pipeline stage: its own part)
     if strategy.name == "ddp":
         return strategy._plain.state_dict()  # shares storage with the parameters
     module = strategy._engine.module
@@ -141,7 +144,7 @@ def _zero3_shapes(module) -> dict:
 
 @torch.no_grad()
 def _apply_model_state(strategy, sd: dict) -> None:
-    if strategy.name == "fsdp":
+    if strategy.name == "fsdp" or strategy.spec.is_mesh:
         from torch.distributed.checkpoint.state_dict import set_model_state_dict
 
         set_model_state_dict(strategy._plain, sd)

@@ -2,6 +2,13 @@
 
 Shared by the metrics recorder (sizes and timing of every call in a strategy
 cell) and the hang watchdog (which collective a blocked rank is in).
+
+Two families: the public c10d API (``dist.all_reduce`` ...: DDP's comm hook,
+FSDP2, DeepSpeed, pipelining's sends) and the functional collectives in
+``torch.distributed._functional_collectives`` that DTensor redistributions use
+(tensor and sequence parallelism). The second return a lazily waited tensor;
+the wrappers wait for it at once (DTensor does so itself unless asked for an
+async redistribute), so a call's time is its completion and a hang shows in it.
 """
 from __future__ import annotations
 
@@ -31,6 +38,43 @@ WRAPPED = {
     "barrier": ("barrier", None, "none"),
 }
 
+# functional collectives (module torch.distributed._functional_collectives), recorded under
+# "funcol.<name>": name -> (op, position of the group argument, S = input bytes x this factor
+# ("group": the group size, for gathers whose S is the gathered total))
+FUNCTIONAL = {
+    "all_reduce": ("all_reduce", 2, "same"),
+    "all_gather_single": ("all_gather", 2, "group"),
+    "all_gather_tensor": ("all_gather", 2, "group"),
+    "reduce_scatter_single": ("reduce_scatter", 3, "same"),
+    "reduce_scatter_tensor": ("reduce_scatter", 3, "same"),
+    "broadcast": ("broadcast", 2, "same"),
+    "all_to_all_single": ("all_to_all", 3, "same"),
+}
+FUNCTIONAL_PREFIX = "funcol."
+
+
+def targets():
+    """(module, attribute, call name) of every function the watchdog and the recorder wrap."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+    import torch.distributed.distributed_c10d as c10d
+
+    for name in WRAPPED:
+        for module in (dist, c10d):
+            if getattr(module, name, None) is not None:
+                yield module, name, name
+    for name in FUNCTIONAL:
+        if getattr(funcol, name, None) is not None:
+            yield funcol, name, FUNCTIONAL_PREFIX + name
+
+
+def complete(name: str, result):
+    """Wait for a functional collective's lazily waited result (no-op for the c10d API)."""
+    if name.startswith(FUNCTIONAL_PREFIX) and hasattr(result, "trigger_wait"):
+        result.trigger_wait()
+    return result
+
+
 # keyword names of the S-defining argument, by (position, kind)
 _KEYWORDS = {
     (0, "same"): ("tensor", "output_tensor", "output"),
@@ -48,6 +92,8 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, 
     """(op, size S in bytes, group size, dtype) of one call; never raises."""
     import torch.distributed as dist
 
+    if name.startswith(FUNCTIONAL_PREFIX):
+        return _describe_functional(name[len(FUNCTIONAL_PREFIX):], args, kwargs)
     op, arg, how = WRAPPED[name]
     try:
         group = kwargs.get("group")
@@ -62,6 +108,20 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, 
             return op, 0, dist.get_world_size(), ""
         except Exception:
             return op, 0, 0, ""
+
+
+def _describe_functional(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, str]:
+    op, group_at, how = FUNCTIONAL[name]
+    try:
+        import torch.distributed._functional_collectives as funcol
+        import torch.distributed.distributed_c10d as c10d
+
+        tensor = args[0] if args else kwargs.get("self")
+        group = args[group_at] if len(args) > group_at else kwargs.get("group")
+        n = c10d._get_group_size_by_name(funcol._resolve_group_name(group, kwargs.get("tag", "")))
+        return op, nbytes(tensor) * (n if how == "group" else 1), n, dtype_name(tensor)
+    except Exception:  # never break the call for a description
+        return op, 0, 0, ""
 
 
 def nbytes(t) -> int:

@@ -1,8 +1,9 @@
 """Recording a rank's collectives, memory, steps and logged scalars while a cell runs.
 
 Collectives are caught at torch.distributed's Python API (every public
-collective, wrapped for the duration of the run): FSDP2 and DeepSpeed issue
-theirs there, and the DDP strategy routes its bucket all-reduces through a
+collective, wrapped for the duration of the run): FSDP2, DeepSpeed and
+pipelining issue theirs there, DTensor (tensor and sequence parallelism)
+through the functional collectives (nbtool.rank.collective_calls), and the DDP strategy routes its bucket all-reduces through a
 Python comm hook that calls ``dist.all_reduce``. (A TorchDispatchMode would
 also see C++-issued collectives, but it runs Python on every aten op: about
 +7% step time measured on a 3.4M-parameter model; this costs a few µs per
@@ -17,6 +18,8 @@ callback on the future would run on the backend's worker thread and hold it
 until the training thread yields the GIL, delaying the next collectives:
 measured +5.8% step time on ZeRO-3 (63 async all-gathers per step), against
 0.999 with the completer thread (benchmarks/metrics_overhead.py, paired run).
+Gloo's send/recv works have no future and complete only when waited, so
+those are timed from issue until the caller's ``wait()`` returns.
 
 A sampler thread records memory every ``interval`` seconds and, when a live
 dashboard is shown (``publish``), sends new records to the kernel
@@ -32,13 +35,11 @@ import threading
 import time
 
 import torch
-import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from ..collectives import bandwidths, bus_factor
 from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
 from .bootstrap import rank_device
-from .collective_calls import WRAPPED, describe_call, is_async
+from .collective_calls import complete, describe_call, is_async, targets
 
 _local = threading.local()
 _active: "Recorder | None" = None
@@ -73,12 +74,14 @@ class Recorder:
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         global _active
-        for name in WRAPPED:
-            for module in (dist, c10d):
-                fn = getattr(module, name, None)
-                if fn is not None and not getattr(fn, "_nbtool_wrapped", False):
-                    self._originals[(module, name)] = fn
-                    setattr(module, name, self._wrap(name, fn))
+        wrapped: dict = {}  # one wrapper per function: dist.isend must stay c10d.isend (P2POp checks it)
+        for module, attr, name in targets():
+            fn = getattr(module, attr)
+            if not getattr(fn, "_nbtool_wrapped", False):
+                self._originals[(module, attr)] = fn
+                if id(fn) not in wrapped:
+                    wrapped[id(fn)] = self._wrap(name, fn)
+                setattr(module, attr, wrapped[id(fn)])
         _active = self
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
         self._sample("interval")
@@ -149,6 +152,10 @@ class Recorder:
         self._add(StepMarker(self.rank, step, time.time()))
         self._sample("step", ledger)
 
+    def on_record(self, record) -> None:
+        """Any other record a strategy makes (e.g. a PipelineStep)."""
+        self._add(record)
+
     def on_log(self, step: int, values: dict) -> None:
         self._add(ScalarRecord(self.rank, step, time.time(), dict(values)))
 
@@ -179,7 +186,7 @@ class Recorder:
             start_ev = torch.cuda.Event(enable_timing=True)
             start_ev.record()
         t0 = time.perf_counter()
-        result = fn(*args, **kwargs)
+        result = complete(name, fn(*args, **kwargs))
         asynchronous = is_async(name, kwargs)
         base = dict(rank=self.rank, seq=seq, op=op, size_bytes=size, bus_bytes=size * bus_factor(op, n),
                     group_size=n, dtype=dtype, t_issue=t_issue, step=step)
@@ -189,9 +196,13 @@ class Recorder:
             with self._lock:
                 self._pending_events.append((base, start_ev, end_ev))
         elif asynchronous and result is not None and hasattr(result, "get_future"):
+            try:
+                fut = result.get_future()
+            except RuntimeError:  # gloo send/recv: no future, and done only once waited
+                return _TimedWork(result, lambda: self._done(base, time.perf_counter() - t0, "wall"))
             # timed by the completer thread, not a callback on the backend's worker
             # thread: such a callback waits there for the GIL and delays the next collectives
-            self._async.put((result.get_future(), base, t0))
+            self._async.put((fut, base, t0))
         else:
             self._done(base, time.perf_counter() - t0, "wall")
         return result
@@ -226,6 +237,24 @@ class Recorder:
             sample.ledger = {k: v for k, v in ledger.as_dict().items()
                              if k in ("params", "grads", "master_params", "optimizer_state", "other", "offloaded")}
         self._add(sample)
+
+
+class _TimedWork:
+    """A Work without a future (gloo send/recv, which complete only when waited): timed from
+    issue until its ``wait()`` returns; everything else goes to the real Work."""
+
+    def __init__(self, work, on_done):
+        self._work, self._on_done = work, on_done
+
+    def wait(self, *args, **kwargs):
+        out = self._work.wait(*args, **kwargs)
+        if self._on_done is not None:
+            self._on_done()
+            self._on_done = None
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
 
 
 def _rss() -> tuple[int, int | None]:

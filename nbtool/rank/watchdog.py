@@ -22,7 +22,7 @@ import threading
 import time
 import traceback
 
-from .collective_calls import WRAPPED, describe_call, is_async
+from .collective_calls import complete, describe_call, is_async, targets
 
 POLL_S = 0.5
 DEFAULT_TIMEOUT_S = 60.0
@@ -37,17 +37,16 @@ _HERE = os.path.dirname(__file__)
 
 def install(rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Wrap the collectives, start the watch thread and the SIGUSR1 stack reporter (once)."""
-    import torch.distributed as dist
-    import torch.distributed.distributed_c10d as c10d
-
     global _thread
     _state["rank"] = rank
     _state["timeout_s"] = timeout_s
-    for name in WRAPPED:
-        for module in (dist, c10d):
-            fn = getattr(module, name, None)
-            if fn is not None and not getattr(fn, "_nbtool_watched", False):
-                setattr(module, name, _wrap(name, fn))
+    wrapped: dict = {}  # one wrapper per function: dist.isend must stay c10d.isend (P2POp checks it)
+    for module, attr, name in targets():
+        fn = getattr(module, attr)
+        if not getattr(fn, "_nbtool_watched", False):
+            if id(fn) not in wrapped:
+                wrapped[id(fn)] = _wrap(name, fn)
+            setattr(module, attr, wrapped[id(fn)])
     if _thread is None:
         _thread = threading.Thread(target=_watch, name="nbtool-watchdog", daemon=True)
         _thread.start()
@@ -81,7 +80,7 @@ def _wrap(name: str, fn):
         _local.depth = 1
         done = True
         try:
-            result = fn(*args, **kwargs)
+            result = complete(name, fn(*args, **kwargs))
             if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
                 entry[4], done = result, False  # in flight until the work completes
             return result

@@ -16,6 +16,10 @@ def build(spec: StrategySpec):
     from .fsdp import FSDPStrategy
     from .zero import ZeroStrategy
 
+    if spec.is_mesh:
+        from .mesh import MeshStrategy
+
+        return MeshStrategy(spec, rank_device())
     cls = {"ddp": DDPStrategy, "fsdp": FSDPStrategy}.get(spec.name, ZeroStrategy)
     return cls(spec, rank_device())
 

@@ -178,6 +178,9 @@ class Strategy:
         self._ledger_at_step: MemoryLedger | None = None
         self._checkpointed: list[str] = []
         self.recorder = None  # set by install() when metrics are on
+        self.loss_fn = None  # prepare(..., loss_fn=) for forward_backward
+        self._plan_arg = None  # prepare(..., plan=) for tensor parallelism
+        self._plain = None  # the model as the strategy holds it, before any outer wrapper
         _seed_everything(spec.seed)
 
     # -- the cell contract ---------------------------------------------------
@@ -195,8 +198,15 @@ class Strategy:
         """True when the last backward() completed an accumulation window."""
         return self._micro % self.spec.grad_accum == 0
 
-    def prepare(self, model: nn.Module, optimizer):
-        """Wrap ``model`` and ``optimizer`` for this strategy; returns (model, optimizer)."""
+    def prepare(self, model: nn.Module, optimizer, *, loss_fn=None, plan: dict | None = None):
+        """Wrap ``model`` and ``optimizer`` for this strategy; returns (model, optimizer).
+
+        ``loss_fn(outputs, targets)`` is what ``forward_backward`` uses (pp
+        needs it here: its schedule computes the loss on the last stage).
+        ``plan`` maps module names (fnmatch patterns allowed) to DTensor
+        ParallelStyles for tensor parallelism; without it tp uses
+        nbtool.rank.tp_plan.default_plan.
+        """
         if self.model is not None:
             raise StrategyError(
                 "prepare() was already called in this cell; each %%distributed cell gets a fresh "
@@ -208,6 +218,10 @@ class Strategy:
             raise StrategyError(
                 "the optimizer already has state (it has stepped); create it fresh before prepare()"
             )
+        if plan is not None and not self.spec.is_mesh:
+            raise StrategyError(f"plan= is a tensor-parallel plan; {self.name} does not use one "
+                                f"(use %%distributed tp --tp 2, or fsdp --tp 2)")
+        self.loss_fn, self._plan_arg = loss_fn, plan
         self._check_model(model)
         self._param_numels = [p.numel() for p in model.parameters()]
         if self.spec.activation_checkpointing is not None:
@@ -226,6 +240,23 @@ class Strategy:
         # the next forward must know whether its backward ends the window
         self._set_gradient_sync((self._micro + 1) % self.spec.grad_accum == 0)
 
+    def forward_backward(self, inputs, targets, loss_fn=None) -> torch.Tensor:
+        """``loss = loss_fn(model(inputs), targets)``, then ``backward(loss)``; returns the loss, detached.
+
+        The same training step under every strategy, including pp (whose
+        schedule interleaves the micro-batches' forwards and backwards, so
+        forward and backward cannot be separate calls there).
+        """
+        loss_fn = loss_fn or self.loss_fn
+        if loss_fn is None:
+            raise StrategyError("forward_backward needs a loss function: strategy.prepare(model, optimizer, "
+                                "loss_fn=...) or strategy.forward_backward(inputs, targets, loss_fn=...)")
+        if self.model is None:
+            raise StrategyError("call strategy.prepare(model, optimizer) before strategy.forward_backward")
+        loss = loss_fn(self.model(inputs), targets)
+        self.backward(loss)
+        return loss.detach()
+
     def dataloader(self, dataset, batch_size: int | None = None, shuffle: bool = True,
                    drop_last: bool = False, **kwargs) -> _EpochLoader:
         """Batches of this rank's shard of ``dataset`` (DistributedSampler), on this rank's device.
@@ -233,7 +264,7 @@ class Strategy:
         Every rank sees a disjoint shard; iterating again starts the next epoch
         (a new shuffle, the same on every rank).
         """
-        sampler = DistributedSampler(dataset, num_replicas=self.world_size, rank=self.dp_rank,
+        sampler = DistributedSampler(dataset, num_replicas=self.dp_size, rank=self.dp_rank,
                                      shuffle=shuffle, seed=self.spec.seed, drop_last=drop_last)
         loader = DataLoader(dataset, batch_size=batch_size or self.spec.micro_batch,
                             sampler=sampler, **kwargs)
@@ -241,7 +272,13 @@ class Strategy:
 
     @property
     def dp_rank(self) -> int:
+        """This rank's index among the data-parallel replicas (which shard of the data it reads)."""
         return dist.get_rank(self.group) if self.group is not None else self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel replicas read different data (tp and pp ranks share a batch)."""
+        return self.world_size
 
     def log(self, **scalars) -> None:
         """Record scalars (loss, lr ...) for this rank, tagged with the step."""
@@ -412,6 +449,32 @@ class Strategy:
             if type(module).__name__ == name and module is not model:
                 _checkpoint_forward(module)
                 self._checkpointed.append(qualname)
+
+
+def param_names(model: nn.Module, optimizer) -> list[list[str]]:
+    """The optimizer's param groups as parameter names (to re-point them after wrapping)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    try:
+        return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+    except KeyError:
+        raise StrategyError("the optimizer holds tensors that are not parameters of this model; "
+                            "create it from model.parameters()") from None
+
+
+def repoint_optimizer(optimizer, model: nn.Module, groups: list[list[str]], keep_missing: bool = False) -> None:
+    """Point the (still empty) optimizer's groups at ``model``'s current parameters, in place.
+
+    Wrappers that replace parameters (fully_shard, parallelize_module) leave
+    the user's optimizer holding the old ones; this keeps the user's object
+    valid. ``keep_missing``: drop names this rank no longer holds (a pipeline
+    stage) instead of refusing.
+    """
+    params = dict(model.named_parameters())
+    for g, names in zip(optimizer.param_groups, groups):
+        missing = [n for n in names if n not in params]
+        if missing and not keep_missing:
+            raise StrategyError(f"optimizer parameter {missing[0]!r} is not a parameter of the model")
+        g["params"] = [params[n] for n in names if n in params]
 
 
 def _checkpoint_forward(module: nn.Module) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, StrategyError, Tally
+from .base import Strategy, Tally, param_names, repoint_optimizer
 
 _meshes: dict = {}
 
@@ -24,44 +24,45 @@ def world_mesh(device_type: str):
     return _meshes[device_type]
 
 
+def shard_units(model, mesh, spec) -> list[str]:
+    """fully_shard the modules of the --wrap classes (innermost first), then the root; their names.
+
+    Without --wrap under a tp/pp layout, the repeated blocks are the units
+    (torchtitan's choice), so each block's parameters are gathered only
+    around its own forward and backward.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from .base import repeated_block_class
+
+    kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
+    if spec.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if spec.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
+    wrap = set(spec.wrap)
+    if not wrap and spec.is_mesh:
+        wrap = {repeated_block_class(model)} - {None}
+    units = []
+    for qualname, module in reversed(list(model.named_modules())):
+        if module is not model and type(module).__name__ in wrap:
+            fully_shard(module, **kwargs)
+            units.append(qualname)
+    fully_shard(model, **kwargs)
+    units.append("<root>")
+    return units
+
+
 class FSDPStrategy(Strategy):
     name = "fsdp"
 
     def _wrap(self, model, optimizer):
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-        kwargs = {"mesh": world_mesh(self.device.type),
-                  "reshard_after_forward": self.spec.reshard_after_forward}
-        if self.spec.precision == "bf16":
-            kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if self.spec.offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
-        else:
+        groups = param_names(model, optimizer)
+        if not self.spec.offload:
             model.to(self.device)
-        names = {id(p): n for n, p in model.named_parameters()}
-        try:
-            groups = [{"params": [names[id(p)] for p in g["params"]]} for g in optimizer.param_groups]
-        except KeyError:
-            raise StrategyError("the optimizer holds tensors that are not parameters of this model; "
-                                "create it from model.parameters()") from None
-        self.units = []
-        wrap = set(self.spec.wrap)
-        # innermost first, so nested wrapped classes become their own units
-        for qualname, module in reversed(list(model.named_modules())):
-            if module is not model and type(module).__name__ in wrap:
-                fully_shard(module, **kwargs)
-                self.units.append(qualname)
-        fully_shard(model, **kwargs)
-        self.units.append("<root>")
+        self.units = shard_units(model, world_mesh(self.device.type), self.spec)
         self._plain = model
-        # fully_shard replaced the parameters with DTensors: point the (still empty)
-        # optimizer at them, in place, so the user's optimizer object stays valid
-        params = dict(model.named_parameters())
-        try:
-            for g, named in zip(optimizer.param_groups, groups):
-                g["params"] = [params[n] for n in named["params"]]
-        except KeyError as e:
-            raise StrategyError(f"optimizer parameter {e} is not a parameter of the model") from None
+        repoint_optimizer(optimizer, model, groups)
         self.notes.append("optimizer param_groups re-pointed at the sharded (DTensor) parameters")
         self._set_gradient_sync(self.spec.grad_accum == 1)
         return model, optimizer

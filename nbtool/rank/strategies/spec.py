@@ -11,7 +11,10 @@ import copy
 import json
 from dataclasses import asdict, dataclass, field
 
-NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3")
+NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp")
+SCHEDULES = ("gpipe", "1f1b")
+# strategies that take a --dp/--tp/--pp layout (fsdp: FSDP over the data-parallel dimension)
+LAYOUT_NAMES = ("tp", "pp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
 OFFLOADS = ("optimizer", "params", "both")
 
@@ -43,6 +46,13 @@ class StrategySpec:
     reduce_bucket_mb: float | None = None
     allgather_bucket_mb: float | None = None
     micro_batch: int = 8
+    # tp / pp / fsdp: the parallel layout (None: worked out from the world size, see parallel_dims)
+    dp: int | None = None
+    tp: int | None = None
+    pp: int | None = None
+    sp: bool = False  # sequence parallelism in the non-tensor-parallel regions (needs tp > 1)
+    microbatches: int | None = None  # pp: micro-batches per batch (default 2 * pp)
+    schedule: str | None = None  # pp: gpipe or 1f1b (default 1f1b)
     ds_config: dict | None = field(default=None, compare=False)
     # every N optimizer steps, save a checkpoint to checkpoint_dir (nbtool.rank.checkpoint)
     checkpoint_every: int | None = None
@@ -56,15 +66,56 @@ class StrategySpec:
     def stage(self) -> int:
         return int(self.name[-1]) if self.is_zero else 0
 
+    @property
+    def is_mesh(self) -> bool:
+        """True when the run needs a device mesh with tp or pp (nbtool.rank.strategies.mesh)."""
+        return self.name in ("tp", "pp") or (self.name == "fsdp" and ((self.tp or 1) > 1 or (self.pp or 1) > 1))
+
     def as_dict(self) -> dict:
         return asdict(self)
 
 
-def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = "cpu") -> None:
+def parallel_dims(spec: StrategySpec, world_size: int) -> tuple[int, int, int]:
+    """(dp, tp, pp) for ``spec`` on ``world_size`` ranks, checked like torchtitan's ParallelDims.
+
+    The strategy's own dimension (tp for tp, pp for pp, dp for fsdp) takes the
+    ranks the others leave when it is not given; after that dp does; anything
+    still unset is 1.
+    """
+    dims = {"dp": spec.dp, "tp": spec.tp, "pp": spec.pp}
+    for name, value in dims.items():
+        if value is not None and value < 1:
+            raise SpecError(f"--{name} {value}: must be >= 1")
+    own = {"tp": "tp", "pp": "pp"}.get(spec.name, "dp")
+    free = own if dims[own] is None else ("dp" if dims["dp"] is None else None)
+    if free is not None:
+        fixed = {k: v or 1 for k, v in dims.items() if k != free}
+        prod = 1
+        for v in fixed.values():
+            prod *= v
+        if world_size % prod:
+            given = " * ".join(f"{k}({v})" for k, v in fixed.items())
+            raise SpecError(f"{given} = {prod} does not divide world_size({world_size}); "
+                            f"choose sizes whose product divides {world_size}")
+        dims[free] = world_size // prod
+    dp, tp, pp = (dims[k] or 1 for k in ("dp", "tp", "pp"))
+    if dp * tp * pp != world_size:
+        raise SpecError(f"dp({dp}) * tp({tp}) * pp({pp}) != world_size({world_size}); "
+                        f"the layout must use every rank exactly once")
+    if spec.name == "tp" and tp < 2:
+        raise SpecError(f"tp({tp}): tensor parallelism needs --tp >= 2 (this cluster has {world_size} ranks)")
+    if spec.name == "pp" and pp < 2:
+        raise SpecError(f"pp({pp}): pipeline parallelism needs --pp >= 2 (this cluster has {world_size} ranks)")
+    return dp, tp, pp
+
+
+def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = "cpu",
+             world_size: int | None = None) -> None:
     """Refuse option combinations that cannot work, before anything runs."""
     n = spec.name
     if n not in NAMES:
         raise SpecError(f"unknown strategy {n!r}; allowed: {', '.join(NAMES)}")
+    _validate_layout(spec, world_size)
     if spec.precision not in PRECISIONS:
         raise SpecError(f"--precision {spec.precision!r}; allowed: {', '.join(PRECISIONS)}")
     if spec.grad_clip is not None and spec.grad_clip <= 0:
@@ -85,6 +136,9 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
         "--reduce-bucket-mb": (spec.reduce_bucket_mb is not None, ("zero1", "zero2", "zero3")),
         "--allgather-bucket-mb": (spec.allgather_bucket_mb is not None, ("zero1", "zero2", "zero3")),
         "--ds-config": (spec.ds_config is not None, ("zero1", "zero2", "zero3")),
+        "--dp": (spec.dp is not None, LAYOUT_NAMES),
+        "--tp": (spec.tp is not None, LAYOUT_NAMES),
+        "--pp": (spec.pp is not None, LAYOUT_NAMES),
     }
     for opt, (given, allowed) in only.items():
         if given and n not in allowed:
@@ -125,6 +179,48 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
                 f"--ds-config has zero_optimization.stage {stage} but the strategy is {n}; "
                 f"use %%distributed zero{stage}, or change the file"
             )
+
+
+def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
+    """The tp/pp/sp options: which strategies take them, and the layout arithmetic."""
+    n = spec.name
+    if n not in LAYOUT_NAMES:
+        for opt, given in (("--dp", spec.dp), ("--tp", spec.tp), ("--pp", spec.pp)):
+            if given is not None:
+                raise SpecError(f"{opt} does not apply to {n}; it applies to {', '.join(LAYOUT_NAMES)} "
+                                f"(e.g. %%distributed fsdp {opt} 2)")
+    if world_size is not None and n in LAYOUT_NAMES:
+        _, tp, pp = parallel_dims(spec, world_size)
+    else:
+        tp, pp =  spec.tp or (2 if n == "tp" else 1), spec.pp or (2 if n == "pp" else 1)
+    if spec.sp and tp < 2:
+        raise SpecError(f"--sp splits activations along the sequence inside a tensor-parallel group; "
+                        f"it needs tp >= 2 (got tp({tp})): use %%distributed tp --tp 2 --sp")
+    if pp < 2:
+        for opt, given in (("--microbatches", spec.microbatches), ("--schedule", spec.schedule)):
+            if given is not None:
+                raise SpecError(f"{opt} applies to pipeline parallelism; it needs pp >= 2 (got pp({pp})): "
+                                f"use %%distributed pp --pp 2 {opt} ...")
+    else:
+        if spec.schedule is not None and spec.schedule not in SCHEDULES:
+            raise SpecError(f"--schedule {spec.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if spec.microbatches is not None and spec.microbatches < pp:
+            raise SpecError(f"--microbatches {spec.microbatches} is fewer than the pp({pp}) stages; "
+                            f"every stage needs work: use --microbatches >= {pp}")
+        if spec.grad_clip is not None:
+            raise SpecError("--grad-clip with pipeline parallelism: each stage holds part of the gradients "
+                            "and nbtool does not compute their global norm across stages; drop --grad-clip")
+        if spec.grad_accum > 1:
+            raise SpecError("--grad-accum with pipeline parallelism: the micro-batches already accumulate "
+                            "gradients within a step; use --microbatches M")
+    if not spec.is_mesh:
+        return
+    if spec.offload is not None:
+        raise SpecError(f"--offload with tp({tp}) / pp({pp}): nbtool offloads only plain fsdp and zero*; "
+                        "drop --offload, or use fsdp --offload without --tp/--pp")
+    if spec.precision != "fp32" and n != "fsdp":
+        raise SpecError(f"{n} --precision {spec.precision}: tp and pp run in fp32; for bf16 use "
+                        f"fsdp --tp {tp} (FSDP's MixedPrecisionPolicy over the data-parallel dimension)")
 
 
 def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:

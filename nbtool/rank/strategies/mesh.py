@@ -1,0 +1,278 @@
+"""Tensor, sequence and pipeline parallelism, alone or inside data parallelism (tp, pp, fsdp --tp).
+
+The ranks form a DeviceMesh with dims ("pp", "dp", "tp"), tp innermost so a
+tensor-parallel group is neighbouring ranks (on GPUs, the fastest links), as
+in torchtitan. One mesh per layout per engine life. ``prepare`` applies the
+dimensions in torchtitan's order:
+
+1. pp: cut the model down to this rank's stage (nbtool.rank.pipeline);
+2. tp: ``parallelize_module`` with the plan (nbtool.rank.tp_plan);
+3. dp: ``fsdp``: fully_shard each block and the stage root over the dp
+   mesh dimension (FSDP over data parallel, TP inside); ``tp``/``pp``: plain
+   replicas whose gradients are averaged over dp before each step (one
+   coalesced all-reduce).
+
+Under pp, forward and backward of the micro-batches interleave inside the
+schedule, so a cell trains with ``loss = strategy.forward_backward(x, y)``
+(which works under every strategy).
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from ...metrics import PipelineStep
+from .base import Strategy, StrategyError, Tally, param_names, repoint_optimizer
+from .spec import parallel_dims
+
+_meshes: dict = {}
+
+
+def layout_mesh(device_type: str, pp: int, dp: int, tp: int):
+    """The ("pp", "dp", "tp") mesh for this layout, created once per engine life."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (device_type, pp, dp, tp)
+    if key not in _meshes:
+        _meshes[key] = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+    return _meshes[key]
+
+
+class MeshStrategy(Strategy):
+    def __init__(self, spec, device):
+        super().__init__(spec, device)
+        self.name = spec.name
+        self.dp, self.tp, self.pp = parallel_dims(spec, self.world_size)
+        self.mesh = layout_mesh(device.type, self.pp, self.dp, self.tp)
+        self.coords = {d: self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp")}
+        self.microbatches = spec.microbatches or 2 * self.pp
+        self.schedule = spec.schedule or "1f1b"
+        self.plan: dict = {}
+        self.stage_parts: list[str] = []
+        self.units: list[str] = []
+        self.heads: list[str] = []
+        self._pipe = None  # (schedule, clock) under pp
+        self._in_schedule = False
+
+    # -- layout ------------------------------------------------------------------
+    @property
+    def dp_rank(self) -> int:
+        return self.coords["dp"]
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.coords["pp"] == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.coords["pp"] == self.pp - 1
+
+    # -- wrapping ------------------------------------------------------------------
+    def _wrap(self, model, optimizer):
+        from . import fsdp as fsdp_module
+        from .. import pipeline, tp_plan
+
+        groups = param_names(model, optimizer)
+        plan = self._plan_arg
+        if plan is not None:
+            if self.tp < 2:
+                raise StrategyError(f"plan= needs tensor parallelism (tp >= 2); this layout has tp({self.tp})")
+            tp_plan.check_plan(plan, model, self.tp)  # on the whole model: catches typos on every stage
+        if self.pp > 1:
+            if self.loss_fn is None:
+                raise StrategyError("pp runs forward and backward together per micro-batch, so it needs the "
+                                    "loss: strategy.prepare(model, optimizer, loss_fn=loss_fn), then "
+                                    "loss = strategy.forward_backward(inputs, targets)")
+            self.stage_parts = pipeline.split_stage(model, self.coords["pp"], self.pp)
+            if plan is not None:  # keep the entries for this stage's modules
+                plan = {k: v for k, v in plan.items() if tp_plan.matching({k: v}, model)[k]}
+        model.to(self.device)
+        if self.tp > 1:
+            from torch.distributed.tensor.parallel import parallelize_module
+
+            if plan is None:
+                plan = tp_plan.default_plan(model, self.spec.sp)
+                tp_plan.check_plan(plan, model, self.tp)
+            self.heads = tp_plan.localize_heads(plan, model, self.tp)
+            parallelize_module(model, self.mesh["tp"], plan)
+            self.plan = plan
+        if self.name == "fsdp":
+            self.units = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
+        repoint_optimizer(optimizer, model, groups, keep_missing=self.pp > 1)
+        self._plain = model
+        if self.pp > 1:
+            self._pipe = pipeline.build_schedule(model, self.coords["pp"], self.pp, self.device,
+                                                 self.mesh["pp"].get_group(), self.schedule,
+                                                 self.microbatches, self.loss_fn)
+            model.register_forward_pre_hook(self._refuse_direct_forward)
+        if self.name == "fsdp" and self.pp == 1:
+            self._set_gradient_sync(self.spec.grad_accum == 1)
+        return model, optimizer
+
+    def _refuse_direct_forward(self, module, args):
+        if not self._in_schedule:
+            raise StrategyError("under pp each rank holds one stage, so model(x) cannot run the whole model: "
+                                "train with loss = strategy.forward_backward(inputs, targets)")
+
+    def _set_gradient_sync(self, sync: bool) -> None:
+        if self.name == "fsdp" and self.pp == 1 and self._plain is not None:
+            self._plain.set_requires_gradient_sync(sync)
+
+    # -- training --------------------------------------------------------------------
+    def _backward(self, loss):
+        if self.pp > 1:
+            raise StrategyError("under pp the schedule runs backward itself: "
+                                "use loss = strategy.forward_backward(inputs, targets)")
+        super()._backward(loss)
+
+    def forward_backward(self, inputs, targets, loss_fn=None):
+        """Under pp: run the schedule over the batch's micro-batches; returns the batch's mean loss
+        on every rank (broadcast from the last stage). Otherwise as Strategy.forward_backward."""
+        if self.pp == 1:
+            return super().forward_backward(inputs, targets, loss_fn)
+        from ..pipeline import check_batch
+
+        if self.model is None:
+            raise StrategyError("call strategy.prepare(model, optimizer, loss_fn=...) before forward_backward")
+        if loss_fn is not None and loss_fn is not self.loss_fn:
+            raise StrategyError("under pp the loss is fixed when the schedule is built: "
+                                "pass it as strategy.prepare(model, optimizer, loss_fn=...)")
+        check_batch(inputs, self.microbatches)
+        schedule, clock = self._pipe
+        losses: list = []
+        clock.compute_s = 0.0
+        t0 = time.perf_counter()
+        self._in_schedule = True
+        try:
+            if self.is_first_stage:
+                schedule.step(inputs)
+            elif self.is_last_stage:
+                schedule.step(target=targets, losses=losses)
+            else:
+                schedule.step()
+        finally:
+            self._in_schedule = False
+        step_s = time.perf_counter() - t0
+        self._micro += 1
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else \
+            torch.zeros((), device=self.device)
+        group = self.mesh["pp"].get_group()
+        dist.broadcast(loss, src=dist.get_global_rank(group, self.pp - 1), group=group)
+        if self.recorder is not None:
+            self.recorder.on_record(PipelineStep(
+                rank=self.rank, step=self._steps + 1, t=time.time(), stage=self.coords["pp"], stages=self.pp,
+                microbatches=self.microbatches, schedule=self.schedule, step_s=step_s,
+                compute_s=clock.compute_s))
+        return loss
+
+    def _step(self, closure=None):
+        self._reduce_partial_grads()
+        if self.dp > 1 and self.name != "fsdp":
+            self._average_over_dp()
+        if self.spec.grad_clip:
+            torch.nn.utils.clip_grad_norm_(self._plain.parameters(), self.spec.grad_clip)
+        return self.optimizer.inner.step(closure)
+
+    @torch.no_grad()
+    def _reduce_partial_grads(self) -> None:
+        """Sum the gradients DTensor left partial (sequence-parallel norms) across tp, in one
+        all-reduce, as Megatron does; otherwise each optimizer op would all-reduce them again."""
+        from torch.distributed.tensor import DTensor
+
+        partial = [p for p in self._plain.parameters()
+                   if isinstance(p.grad, DTensor) and any(pl.is_partial() for pl in p.grad.placements)]
+        if not partial:
+            return
+        local = [p.grad.to_local() for p in partial]
+        flat = torch._utils._flatten_dense_tensors(local)
+        dist.all_reduce(flat, group=self.mesh["tp"].get_group())
+        for p, t in zip(partial, torch._utils._unflatten_dense_tensors(flat, local)):
+            p.grad = DTensor.from_local(t, p.grad.device_mesh, p.placements, run_check=False)
+
+    @torch.no_grad()
+    def _average_over_dp(self) -> None:
+        """Data-parallel replicas (tp/pp with dp > 1): average the local gradients over dp."""
+        grads = [p.grad for p in self._plain.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        if not local:
+            return
+        flat = torch._utils._flatten_dense_tensors(local)
+        dist.all_reduce(flat, group=self.mesh["dp"].get_group())
+        flat /= self.dp
+        for t, new in zip(local, torch._utils._unflatten_dense_tensors(flat, local)):
+            t.copy_(new)
+
+    # -- state -----------------------------------------------------------------------
+    def _tally(self, tally: Tally) -> None:
+        for p in self._plain.parameters():
+            tally.add("params", p)
+        for p in self._plain.parameters():
+            tally.add("grads", p.grad)
+        tally.add_optimizer_state(self.optimizer.inner.state)
+
+    def _full_state_dict(self):
+        from torch.distributed.tensor import DTensor
+
+        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+              for k, v in self._plain.state_dict().items()}
+        if self.pp > 1:  # each stage holds its own part: collect them (one copy per stage)
+            parts = [None] * dist.get_world_size()
+            dist.all_gather_object(parts, sd if self.coords["dp"] == 0 and self.coords["tp"] == 0 else {})
+            sd = {k: v for part in parts for k, v in part.items()}
+        return sd
+
+    # -- description ---------------------------------------------------------------------
+    def _describe(self):
+        from ..pipeline import bubble_theory
+
+        d = super()._describe()
+        parts = []
+        if self.tp > 1:
+            parts.append("DTensor parallelize_module (tp" + (" + sp" if self.spec.sp else "") + ")")
+        if self.pp > 1:
+            parts.append(f"torch.distributed.pipelining {self.schedule}")
+        if self.name == "fsdp":
+            parts.append("fully_shard over dp (FSDP2)")
+        elif self.dp > 1:
+            parts.append(f"gradients averaged over dp({self.dp})")
+        d["wrapper"] = " + ".join(parts)
+        d["sharding"] = f"dp({self.dp}) x tp({self.tp}) x pp({self.pp})"
+        c = self.coords
+        d["mesh"] = (f"DeviceMesh ('pp', 'dp', 'tp') = ({self.pp}, {self.dp}, {self.tp}); this rank is "
+                     f"pp {c['pp']}, dp {c['dp']}, tp {c['tp']}")
+        if self.plan:
+            d["plan"] = {k: style_text(v) for k, v in self.plan.items()}
+        if self.heads:
+            d["heads"] = list(self.heads)
+        if self.pp > 1:
+            d["stage"] = f"{c['pp']} of {self.pp}: {', '.join(self.stage_parts)}"
+            d["schedule"] = (f"{self.schedule}, {self.microbatches} micro-batches per batch; bubble for equal "
+                             f"stages (p-1)/(M+p-1) = {bubble_theory(self.pp, self.microbatches):.1%}")
+        if self.units:
+            d["units"] = list(self.units)
+        if self.name == "fsdp" and self.spec.precision == "bf16":
+            d["mixed_precision"] = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"
+        return d
+
+
+def style_text(style) -> str:
+    """A ParallelStyle in a few words: ``RowwiseParallel(Shard(dim=-1) -> Replicate())``."""
+    name = type(style).__name__
+
+    def layouts(x):
+        x = x if isinstance(x, (tuple, list)) else (x,)
+        return ", ".join(repr(p) for p in x if p is not None)
+
+    if hasattr(style, "input_layouts") and hasattr(style, "output_layouts"):
+        return f"{name}({layouts(style.input_layouts)} -> {layouts(style.output_layouts)})"
+    if hasattr(style, "input_layouts"):
+        return f"{name}({layouts(style.input_layouts)} -> {layouts(style.desired_input_layouts)})"
+    if hasattr(style, "output_layouts"):
+        return f"{name}({layouts(style.output_layouts)} -> {layouts(style.desired_output_layouts)})"
+    return name

@@ -1,0 +1,164 @@
+"""Tensor-parallel plans: which submodule gets which DTensor placement (engine side).
+
+A plan maps module names (fnmatch patterns allowed, as in
+``parallelize_module``) to ParallelStyles. ``default_plan`` writes one for
+the common transformer block shape, Megatron's layout:
+
+- attention: q/k/v projections column-parallel (each rank owns heads/tp
+  heads), the output projection row-parallel (its all-reduce, or
+  reduce-scatter with --sp, ends the region);
+- MLP: up (and gate) column-parallel, down row-parallel;
+- each attention and MLP module gets its input as one replicated DTensor
+  (PrepareModuleInput), so q, k and v share it and backward all-reduces the
+  input gradient once, as Megatron's ``f``: 2 all-reduces forward and 2
+  backward per block;
+- with ``sp`` the blocks' layer norms run on sequence shards
+  (SequenceParallel), the all-reduces become all-gather + reduce-scatter
+  pairs, and the first block's input is split (the last block's output
+  gathered) so embeddings and head stay as written.
+
+Everything else (embeddings, final norm, head) stays replicated.
+"""
+from __future__ import annotations
+
+import fnmatch
+
+from torch import nn
+
+from .strategies.base import StrategyError, repeated_block_class
+
+ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
+ATTENTION_OUT = ("o_proj", "wo", "out_proj", "c_proj", "dense", "proj")
+MLP_IN = ("up", "up_proj", "gate_proj", "fc1", "w1", "w3", "c_fc", "fc_in", "dense_h_to_4h")
+MLP_OUT = ("down", "down_proj", "fc2", "w2", "c_proj", "fc_out", "dense_4h_to_h")
+HEAD_ATTRS = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads",
+              "num_key_value_heads", "n_kv_heads")
+
+
+def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
+    """The qualified name and the ModuleList of the model's repeated blocks."""
+    cls = repeated_block_class(model)
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ == cls for c in m):
+            return name, m
+    raise StrategyError("the model has no nn.ModuleList of repeated blocks; tensor and pipeline "
+                        "parallelism need one (e.g. self.blocks = nn.ModuleList(Block(...) for ...)), "
+                        "or pass plan={...} to strategy.prepare")
+
+
+def default_plan(model: nn.Module, sp: bool) -> dict:
+    """Megatron's layout for every block of ``model`` (see the module docstring)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   PrepareModuleInputOutput, PrepareModuleOutput,
+                                                   RowwiseParallel, SequenceParallel)
+
+    prefix, blocks = block_list(model)
+    region = Shard(1) if sp else Replicate()  # layout between the tensor-parallel regions
+    plan = {}
+    for key, block in blocks.named_children():
+        base = f"{prefix}.{key}"
+        found = []
+        for sub_name, sub in block.named_children():
+            linears = {n for n, c in sub.named_children() if isinstance(c, nn.Linear)}
+            ins = [n for n in (ATTENTION_IN if linears & set(ATTENTION_IN) else MLP_IN) if n in linears]
+            outs = [n for n in (ATTENTION_OUT if linears & set(ATTENTION_IN) else MLP_OUT) if n in linears]
+            if isinstance(sub, nn.LayerNorm) or type(sub).__name__.endswith("RMSNorm"):
+                if sp:
+                    plan[f"{base}.{sub_name}"] = SequenceParallel()
+                continue
+            if not ins or len(outs) != 1:
+                continue
+            plan[f"{base}.{sub_name}"] = PrepareModuleInput(input_layouts=(region,),
+                                                            desired_input_layouts=(Replicate(),))
+            for n in ins:
+                plan[f"{base}.{sub_name}.{n}"] = ColwiseParallel()
+            plan[f"{base}.{sub_name}.{outs[0]}"] = RowwiseParallel(output_layouts=region)
+            found.append(sub_name)
+        if not found:
+            raise StrategyError(
+                f"no default tensor-parallel plan for {base} ({type(block).__name__}): nbtool looks for "
+                f"children with column-parallel linears ({', '.join(ATTENTION_IN[:3])} ... or "
+                f"{', '.join(MLP_IN[:3])} ...) and one row-parallel linear "
+                f"({', '.join(ATTENTION_OUT[:3])} ... or {', '.join(MLP_OUT[:3])} ...); "
+                "pass plan={'blocks.*.attn.q_proj': ColwiseParallel(), ...} to strategy.prepare"
+            )
+    if sp and len(blocks):
+        keys = [k for k, _ in blocks.named_children()]
+        split = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
+        gather = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
+        first, last = f"{prefix}.{keys[0]}", f"{prefix}.{keys[-1]}"
+        if first == last:  # one block: split its input and gather its output
+            plan[first] = PrepareModuleInputOutput(**split, use_local_input=True, **gather)
+        else:
+            plan[first] = PrepareModuleInput(**split, use_local_output=True)
+            plan[last] = PrepareModuleOutput(**gather)
+    return plan
+
+
+def matching(plan: dict, model: nn.Module) -> dict:
+    """{pattern: [module names it matches]} for each plan entry."""
+    names = [n for n, _ in model.named_modules() if n]
+    return {pattern: [n for n in names if fnmatch.fnmatchcase(n, pattern)] for pattern in plan}
+
+
+def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
+    """Refuse a plan naming modules the model lacks, or sizes tp does not divide."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    modules = dict(model.named_modules())
+    for pattern, names in matching(plan, model).items():
+        if not names:
+            near = sorted(n for n in modules if n.split(".")[-1] == pattern.split(".")[-1])[:3]
+            hint = f" (modules with that last name: {', '.join(near)})" if near else ""
+            raise StrategyError(f"plan entry {pattern!r} names no module of the model{hint}")
+        style = plan[pattern]
+        for name in names:
+            m = modules[name]
+            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+                size = _split_size(m, style)
+                if size is not None and size % tp:
+                    dim = "output" if isinstance(style, ColwiseParallel) else "input"
+                    raise StrategyError(f"{name}: {dim} size {size} is not divisible by tp({tp}); "
+                                        f"use a tp that divides {size}")
+    for name, m in modules.items():
+        for attr in HEAD_ATTRS:
+            heads = getattr(m, attr, None)
+            if isinstance(heads, int) and _is_parallel_attention(name, plan, model) and heads % tp:
+                raise StrategyError(f"{name}.{attr} = {heads} heads are not divisible by tp({tp}); "
+                                    f"each rank must own whole heads: use a tp that divides {heads}")
+
+
+def localize_heads(plan: dict, model: nn.Module, tp: int) -> list[str]:
+    """Divide head counts of the column-sharded attention modules by tp (each rank runs heads/tp)."""
+    changed = []
+    for name, m in model.named_modules():
+        if not _is_parallel_attention(name, plan, model):
+            continue
+        for attr in HEAD_ATTRS:
+            heads = getattr(m, attr, None)
+            if isinstance(heads, int):
+                setattr(m, attr, heads // tp)
+                changed.append(f"{name}.{attr} {heads} -> {heads // tp} per rank")
+    return changed
+
+
+def _is_parallel_attention(name: str, plan: dict, model: nn.Module) -> bool:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    prefix = f"{name}." if name else ""
+    return any(isinstance(style, ColwiseParallel) and any(
+        n.startswith(prefix) and n[len(prefix):] in ATTENTION_IN for n in names)
+        for (pattern, names), style in zip(matching(plan, model).items(), plan.values()))
+
+
+def _split_size(m: nn.Module, style) -> int | None:
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(m, nn.Linear):
+        return m.out_features if colwise else m.in_features
+    if isinstance(m, nn.Embedding):
+        return m.embedding_dim if colwise else m.num_embeddings
+    return None
+

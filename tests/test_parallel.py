@@ -1,0 +1,325 @@
+"""Tensor, sequence and pipeline parallelism on 2 real gloo ranks, against a single-process reference."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+from nbtool import session
+from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.execution import RankError
+from nbtool.magics import parse_strategy_line
+from nbtool.plan import HARDWARE_PRESETS, MODEL_PRESETS, Training, recommend
+from nbtool.rank.strategies.spec import SpecError, StrategySpec, parallel_dims
+
+STEPS, BATCH, LR = 4, 8, 0.1
+
+SETUP = """%%distributed --quiet
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+_pdata = SyntheticTokens(64)
+
+def _ptrain(strategy, layers=2, steps=4, batch=8, **prepare):
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=layers)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss, **prepare)
+    losses = []
+    for x, y in strategy.dataloader(_pdata, batch_size=batch, shuffle=False):
+        loss = strategy.forward_backward(x, y)
+        optimizer.step(); optimizer.zero_grad()
+        strategy.log(loss=loss)
+        losses.append(loss.item())
+        if len(losses) == steps:
+            break
+    return dict(losses=losses, ledger=strategy.memory_ledger().as_dict(), sd=strategy.full_state_dict(),
+                desc=dict(strategy.describe()))
+"""
+
+
+def reference(layers: int = 2):
+    """The same training on one process: losses and final weights."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=layers)
+    # SGD, not Adam: Adam scales a near-zero gradient (k_proj's bias gets one, softmax ignores
+    # a shift of every key) up to a full step, so rounding noise would decide those weights
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = SyntheticTokens(64)
+    losses = []
+    for step in range(STEPS):
+        x, y = data.tokens[step * BATCH:(step + 1) * BATCH, :-1], data.tokens[step * BATCH:(step + 1) * BATCH, 1:]
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.fixture(scope="module")
+def ranks(ip, cluster):
+    ip.run_cell(SETUP).raise_error()
+    return ip
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return {layers: reference(layers) for layers in (1, 2)}
+
+
+def train(ip, line: str, **kw) -> tuple[list[dict], object]:
+    """Run _ptrain under ``%%distributed {line}``; each rank's result and the run's records."""
+    args = "".join(f", {k}={v!r}" for k, v in kw.items())
+    ip.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy{args})").raise_error()
+    ip.run_line_magic("dist_pull", "_pout")
+    return ip.user_ns["_pout"], session.LAST[0]
+
+
+def per_step(run, rank: int, step: int) -> Counter:
+    """Collectives by op that ``rank`` issued during optimizer step ``step`` (1-based)."""
+    return Counter(c.op for c in run.comms if c.rank == rank and c.step == step - 1)
+
+
+# fp32 on CPU: DTensor and the pipeline reorder no sums here, but allow for it
+TOL = 1e-5
+
+
+@pytest.mark.parametrize("line", ["tp", "tp --sp", "pp --schedule gpipe", "pp --schedule 1f1b",
+                                  "fsdp --tp 2", "fsdp --tp 2 --sp", "fsdp --pp 2"])
+def test_layout_matches_single_process_reference(ranks, ref, line):
+    out, run = train(ranks, line)
+    ref_losses, ref_sd = ref[2]
+    for r in out:
+        assert r["losses"] == pytest.approx(ref_losses, rel=TOL), (line, r["losses"], ref_losses)
+    sd = out[0]["sd"]
+    assert sorted(sd) == sorted(ref_sd)
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(sd[k], v, rtol=TOL, atol=TOL, msg=f"{line}: {k}")
+    assert out[1]["sd"] is None  # full_state_dict: rank 0 only
+    assert TinyTransformer(layers=2).load_state_dict(sd)  # loads into a plain model
+
+
+def test_tp_parameter_bytes_are_one_over_tp_of_the_sharded_layers(ranks, ref):
+    out, _ = train(ranks, "tp")
+    plain = TinyTransformer(layers=2)
+    total = sum(p.numel() * 4 for p in plain.parameters())
+    # column-parallel weights and biases, row-parallel weights; row biases stay whole
+    sharded = sum(p.numel() * 4 for n, p in plain.named_parameters()
+                  if any(f".{m}." in n for m in ("q_proj", "k_proj", "v_proj", "up"))
+                  or (any(f".{m}." in n for m in ("o_proj", "down")) and n.endswith("weight")))
+    expected = total - sharded + sharded // 2
+    for r in out:
+        assert r["ledger"]["params"] == expected
+        assert r["ledger"]["grads"] == expected
+        assert r["ledger"]["optimizer_state"] == expected  # SGD's momentum buffers
+    desc = out[0]["desc"]
+    assert desc["plan"]["blocks.0.attn.q_proj"].startswith("ColwiseParallel")
+    assert desc["plan"]["blocks.1.mlp.down"].startswith("RowwiseParallel")
+    assert "blocks.0.attn.heads 4 -> 2 per rank" in desc["heads"]
+    assert desc["mesh"].endswith("this rank is pp 0, dp 0, tp 0")
+
+
+def test_plan_vs_last_predicts_a_tp_run_and_says_where_it_approximates(ranks, capsys):
+    out, _ = train(ranks, "tp")
+    capsys.readouterr()
+    ranks.run_line_magic("dist_plan", "--vs-last --text")
+    text = capsys.readouterr().out
+    psi = sum(p.numel() for p in TinyTransformer(layers=2).parameters())
+    params = next(line for line in text.splitlines() if line.startswith("params")).split()
+    assert int(params[1].replace(",", "")) == 4 * psi // 2  # every parameter split over tp(2)
+    assert int(params[2].replace(",", "")) == out[0]["ledger"]["params"]
+    assert "Megatron's approximation" in text
+
+
+def test_tp_collectives_per_layer_match_megatron(ranks):
+    counts = {}
+    for layers in (1, 2):
+        _, run = train(ranks, "tp", layers=layers)
+        counts[layers] = per_step(run, 0, 3)
+        assert per_step(run, 1, 3) == counts[layers]  # both ranks issue the same collectives
+    per_layer = counts[2] - counts[1]
+    assert per_layer == Counter(all_reduce=4)  # 2 forward (attention out, MLP down) + 2 backward
+    # forward alone: 2 per layer
+    ranks.run_cell("%%distributed tp --quiet\n_m = _ptrain(strategy, layers=2, steps=1)\n"
+                   "with torch.no_grad():\n    strategy.model(next(iter(strategy.dataloader(_pdata, 8)))[0])"
+                   ).raise_error()
+    run = session.LAST[0]
+    # after step 1 (full_state_dict's all-gathers aside): the forward of 2 layers
+    assert per_step(run, 0, 2)["all_reduce"] == 4
+
+
+def test_sp_turns_all_reduces_into_gather_scatter_pairs(ranks):
+    counts = {}
+    for layers in (1, 2):
+        _, run = train(ranks, "tp --sp", layers=layers)
+        counts[layers] = per_step(run, 0, 3)
+    per_layer = counts[2] - counts[1]
+    assert per_layer == Counter(all_gather=4, reduce_scatter=4)
+    # the layer norms' partial gradients: one coalesced all-reduce per step whatever the depth
+    assert counts[1]["all_reduce"] == counts[2]["all_reduce"] == 1
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_pp_sends_one_activation_per_microbatch_and_measures_its_bubble(ranks, schedule):
+    _, run = train(ranks, f"pp --schedule {schedule} --microbatches 4", layers=2)
+    for step in (2, 3):
+        first, last = per_step(run, 0, step), per_step(run, 1, step)
+        assert first["send"] == 4 and first["recv"] == 4  # activations out, gradients back
+        assert last["recv"] == 4 and last["send"] == 4
+        assert first["send"] == last["recv"]
+    act = [c for c in run.comms if c.rank == 0 and c.op == "send" and c.step >= 1]
+    assert {c.size_bytes for c in act} == {2 * 16 * 32 * 4}  # micro-batch 2 x seq 16 x dim 32, fp32
+    pipe = [p for p in run.pipeline if p.rank == 0]
+    assert [p.step for p in pipe] == [1, 2, 3, 4]
+    for p in run.pipeline:
+        assert 0 < p.compute_s <= p.step_s
+        assert p.bubble_theory == pytest.approx(1 / 5)
+    from nbtool.run_analysis import bubble_table
+
+    rows = bubble_table(run)
+    assert [r["stage"] for r in rows] == [0, 1] and all(0 <= r["bubble"] < 1 for r in rows)
+
+
+def test_hand_written_layers_match_dtensor_and_communicate_once_each_way(ranks):
+    cell = """%%distributed --quiet
+import copy
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from nbtool.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from nbtool.rank import watchdog
+torch.manual_seed(0)
+full = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+x = torch.randn(4, 8, requires_grad=True)
+ref_out = full(x); ref_out.sum().backward(); ref_gx = x.grad.clone(); x.grad = None
+col, row = ColumnParallelLinear.from_linear(full[0]), RowParallelLinear.from_linear(full[2])
+n0 = watchdog.state()["issued"]
+hand = row(nn.functional.gelu(col(x)))
+n1 = watchdog.state()["issued"]
+hand.sum().backward()
+n2 = watchdog.state()["issued"]
+hand_gx = x.grad.clone(); x.grad = None
+dt = parallelize_module(copy.deepcopy(full), init_device_mesh("cpu", (world_size,)),
+                        {"0": ColwiseParallel(), "2": RowwiseParallel()})
+dt_out = dt(x); dt_out.sum().backward()
+_hand = dict(fwd=n1 - n0, bwd=n2 - n1,
+             out_vs_ref=(hand - ref_out).abs().max().item(), out_vs_dtensor=(hand - dt_out).abs().max().item(),
+             gx_vs_ref=(hand_gx - ref_gx).abs().max().item(), gx_vs_dtensor=(hand_gx - x.grad).abs().max().item(),
+             gw_col=(col.weight.grad - dt[0].weight.grad.to_local()).abs().max().item(),
+             gw_row=(row.weight.grad - dt[2].weight.grad.to_local()).abs().max().item(),
+             shapes=(tuple(col.weight.shape), tuple(row.weight.shape)))
+"""
+    ranks.run_cell(cell).raise_error()
+    ranks.run_line_magic("dist_pull", "_hand")
+    for r in ranks.user_ns["_hand"]:
+        assert r["fwd"] == 1 and r["bwd"] == 1  # Megatron's g forward, f backward
+        assert r["shapes"] == ((8, 8), (8, 8))  # 16 outputs / 2 ranks; 16 inputs / 2 ranks
+        for key in ("out_vs_ref", "out_vs_dtensor", "gx_vs_ref", "gx_vs_dtensor", "gw_col", "gw_row"):
+            assert r[key] < 1e-5, (key, r)
+
+
+REFUSALS = [
+    ("tp", "TinyTransformer(dim=24, heads=3)", "3 heads are not divisible by tp(2)"),
+    ("pp", "TinyTransformer(layers=3)", "3 blocks in blocks do not divide into pp(2) stages"),
+    ("tp", "TinyTransformer(), plan={'blocks.0.atn.q_proj': None}", "plan entry 'blocks.0.atn.q_proj' names no module"),
+    ("ddp", "TinyTransformer(), plan={}", "plan= is a tensor-parallel plan; ddp does not use one"),
+]
+
+
+@pytest.mark.parametrize("line,build,message", REFUSALS)
+def test_model_level_refusals_name_the_problem(ranks, line, build, message):
+    model, _, kw = build.partition(", plan=")
+    plan = f", plan={kw}" if kw else ""
+    cell = (f"%%distributed {line} --quiet\nm = {model}\n"
+            f"strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=lm_loss{plan})")
+    with pytest.raises(RankError, match=re.escape(message)):
+        ranks.run_cell(cell).raise_error()
+    ranks.run_cell("%%distributed --quiet\n_alive = rank").raise_error()  # the ranks survive
+
+
+def test_pp_refuses_calling_the_model_or_backward_directly(ranks):
+    prep = ("%%distributed pp --quiet\nm = TinyTransformer()\n"
+            "m, o = strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1), loss_fn=lm_loss)\n")
+    with pytest.raises(RankError, match=r"model\(x\) cannot run the whole model"):
+        ranks.run_cell(prep + "m(_pdata.tokens[:8, :-1])").raise_error()
+    with pytest.raises(RankError, match="the schedule runs backward itself"):
+        ranks.run_cell(prep + "strategy.backward(torch.zeros((), requires_grad=True))").raise_error()
+    with pytest.raises(RankError, match="does not split into 4 micro-batches"):
+        ranks.run_cell(prep + "strategy.forward_backward(_pdata.tokens[:6, :-1], _pdata.tokens[:6, 1:])").raise_error()
+    with pytest.raises(RankError, match="pp runs forward and backward together"):
+        ranks.run_cell("%%distributed pp --quiet\nm = TinyTransformer()\n"
+                       "strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))").raise_error()
+
+
+LAYOUTS = [  # (line, world size, message)
+    ("tp --tp 3", 2, "tp(3) * pp(1) = 3 does not divide world_size(2)"),
+    ("fsdp --dp 1 --tp 2 --pp 2", 2, "dp(1) * tp(2) * pp(2) != world_size(2)"),
+    ("pp --pp 2 --tp 2", 2, "tp(2) * pp(2) = 4 does not divide world_size(2)"),
+    ("tp --tp 1", 2, "tp(1): tensor parallelism needs --tp >= 2"),
+    ("tp --dp 2", 2, "tp(1): tensor parallelism needs --tp >= 2"),
+    ("ddp --tp 2", 2, "--tp does not apply to ddp"),
+    ("zero3 --pp 2", 2, "--pp does not apply to zero3"),
+    ("fsdp --sp", 2, "--sp splits activations along the sequence"),
+    ("tp --microbatches 4", 2, "--microbatches applies to pipeline parallelism"),
+    ("pp --microbatches 1", 2, "--microbatches 1 is fewer than the pp(2) stages"),
+    ("pp --grad-accum 2", 2, "--grad-accum with pipeline parallelism"),
+    ("pp --grad-clip 1", 2, "--grad-clip with pipeline parallelism"),
+    ("tp --precision bf16", 2, "tp --precision bf16: tp and pp run in fp32"),
+    ("tp --offload", 2, "--offload with tp(2)"),
+    ("pp --wrap Block", 2, "--wrap does not apply to pp"),
+    ("fsdp --tp 3 --dp 2", 4, "dp(2) * tp(3) * pp(1) != world_size(4)"),
+]
+
+
+@pytest.mark.parametrize("line,world,message", LAYOUTS)
+def test_invalid_layout_table(line, world, message):
+    with pytest.raises(UsageError, match=re.escape(message)):
+        parse_strategy_line(line, "gloo", "cpu", world)
+
+
+@pytest.mark.parametrize("line,world,dims", [
+    ("tp", 2, (1, 2, 1)), ("tp --tp 2", 4, (2, 2, 1)), ("pp", 4, (1, 1, 4)), ("fsdp --tp 2", 4, (2, 2, 1)),
+    ("fsdp --tp 2 --pp 2", 8, (2, 2, 2)), ("tp --tp 2 --pp 2", 4, (1, 2, 2)), ("pp --dp 2", 4, (2, 1, 2)),
+])
+def test_layout_arithmetic(line, world, dims):
+    assert parallel_dims(parse_strategy_line(line, "gloo", "cpu", world), world) == dims
+
+
+def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
+    hw = HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=8)
+    t = Training(micro_batch=1, grad_accum=16, checkpointing="selective")
+    rec = recommend(MODEL_PRESETS["GPT-3 175B"], t, hw)
+    mesh = [e for e in rec.ranked if e.layout in ("tp", "pp", "tp-pp")]
+    assert mesh
+    for e in mesh:
+        line = e.magic_line(t)
+        spec = parse_strategy_line(line, "nccl", "cuda", hw.devices)
+        assert parallel_dims(spec, hw.devices) == (e.dp, e.tp, e.pp), line
+        assert spec == e.spec(t), line
+        if e.pp > 1:
+            assert spec.microbatches == t.grad_accum and "--grad-accum" not in line
+
+
+def test_spec_refuses_layout_without_world_size_is_still_checked():
+    with pytest.raises(SpecError, match="--sp"):
+        from nbtool.rank.strategies.spec import validate
+
+        validate(StrategySpec("tp", tp=1, sp=True))
+
+
+@pytest.mark.parametrize("saver", ["tp --sp", "pp"])
+def test_checkpoint_from_a_mesh_layout_loads_under_ddp(ranks, tmp_path, saver):
+    path = str(tmp_path / "ckpt")
+    out, _ = train(ranks, saver, steps=2)
+    ranks.run_cell(f"%%distributed {saver} --quiet\n_ptrain(strategy, steps=2)\n_saved = strategy.save({path!r})"
+                   ).raise_error()
+    ranks.run_cell(f"%%distributed ddp --quiet\nm = TinyTransformer(layers=2)\n"
+                   f"m, o = strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=0.1))\n"
+                   f"_loaded = strategy.load({path!r})\n_sd = strategy.full_state_dict()").raise_error()
+    ranks.run_line_magic("dist_pull", "_sd")
+    ranks.run_line_magic("dist_pull", "_loaded")
+    for k, v in out[0]["sd"].items():
+        assert torch.equal(ranks.user_ns["_sd"][0][k], v), k
+    assert ranks.user_ns["_loaded"][0]["restored"].startswith("model only")

@@ -1,0 +1,91 @@
+"""Layouts that need 4 ranks (data parallel x tensor / pipeline), against a single-process reference.
+
+Runs on its own 4-rank cluster, then gives the session its 2-rank cluster back.
+4 ranks on 2 cores are oversubscribed (each gloo message ~6 ms), so few steps.
+"""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from nbtool import session
+from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+
+STEPS, BATCH, LR = 3, 8, 0.1
+
+SETUP = """%%distributed --quiet
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+_pdata = SyntheticTokens(64)
+
+def _ptrain(strategy, steps=3, batch=4):
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss)
+    losses = []
+    for x, y in strategy.dataloader(_pdata, batch_size=batch, shuffle=False):
+        losses.append(strategy.forward_backward(x, y).item())
+        optimizer.step(); optimizer.zero_grad()
+        if len(losses) == steps:
+            break
+    return dict(losses=losses, sd=strategy.full_state_dict(), desc=dict(strategy.describe()),
+                ledger=strategy.memory_ledger().as_dict())
+"""
+
+
+@pytest.fixture(scope="module")
+def four(ip, cluster):
+    ip.run_line_magic("cluster", "stop")
+    ip.run_line_magic("cluster", "start -n 4")
+    ip.run_cell(SETUP).raise_error()
+    yield ip
+    ip.run_line_magic("cluster", "stop")
+    ip.run_line_magic("cluster", "start -n 2")
+
+
+def reference():
+    """Two data-parallel replicas each read 4 of the 8 samples per step: the mean over 8."""
+    torch.manual_seed(0)
+    model = TinyTransformer(layers=2)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    data = SyntheticTokens(64).tokens
+    # DistributedSampler (no shuffle) gives replica r samples r, r+2, r+4 ...: step s reads 2*4*s .. 2*4*(s+1)
+    losses = []
+    for s in range(STEPS):
+        rows = data[s * BATCH:(s + 1) * BATCH]
+        loss = lm_loss(model(rows[:, :-1]), rows[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.state_dict()
+
+
+@pytest.mark.parametrize("line,dims", [("fsdp --tp 2", "dp(2) x tp(2) x pp(1)"),
+                                       ("tp --tp 2 --dp 2 --sp", "dp(2) x tp(2) x pp(1)"),
+                                       ("pp --pp 2 --dp 2", "dp(2) x tp(1) x pp(2)"),
+                                       ("tp --tp 2 --pp 2", "dp(1) x tp(2) x pp(2)")])
+def test_4_rank_layouts_match_reference(four, line, dims):
+    four.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy, "
+                  f"batch={4 if 'dp 2' in line or 'fsdp' in line else 8})").raise_error()
+    four.run_line_magic("dist_pull", "_pout")
+    out = four.user_ns["_pout"]
+    ref_losses, ref_sd = reference()
+    assert out[0]["desc"]["sharding"] == dims
+    # each dp replica reports the loss of its own half-batch; their mean is the batch loss
+    dp2 = "dp(2)" in dims
+    by_replica = {}
+    for r in out:
+        by_replica.setdefault(r["desc"]["mesh"].split("dp ")[1][0], r["losses"])
+    losses = [sum(x) / len(x) for x in zip(*by_replica.values())] if dp2 else out[0]["losses"]
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(out[0]["sd"][k], v, rtol=1e-5, atol=1e-5, msg=f"{line}: {k}")
+    run = session.LAST[0]
+    ops = Counter(c.op for c in run.comms)
+    if "pp(2)" in dims:
+        assert ops["send"] and ops["recv"] and len({p.stage for p in run.pipeline}) == 2
+    if "tp(2)" in dims:
+        assert ops["all_gather" if "--sp" in line else "all_reduce"]
