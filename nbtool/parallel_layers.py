@@ -72,7 +72,7 @@ class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i + b_i: this rank's ``out_features / p`` output columns (the weight's rows).
 
     The input is replicated on every rank; the output stays split along its
-    last dimension, ready for a RowParallelLinear (``gather_output=False``).
+    last dimension, ready for a RowParallelLinear (Megatron's gather_output=False).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):
@@ -102,8 +102,8 @@ class ColumnParallelLinear(nn.Module):
 class RowParallelLinear(nn.Module):
     """Z = sum_i Y_i B_i + b: rows ``in_features / p`` of B on each rank, one all-reduce forward.
 
-    Takes the split output of a ColumnParallelLinear (``input_is_parallel``);
-    the bias is added once, after the reduction.
+    Takes the split output of a ColumnParallelLinear (Megatron's
+    input_is_parallel=True); the bias is added once, after the reduction.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):

@@ -381,7 +381,13 @@ class Strategy:
         self.optimizer.inner.zero_grad(set_to_none=set_to_none)
 
     def _tally(self, tally: Tally) -> None:
-        raise NotImplementedError
+        """What the rank holds: the model's parameters (local shards of DTensors), their gradients,
+        optimizer.state. Strategies with partitions or offload (fsdp, zero*) say more."""
+        for p in self._plain.parameters():
+            tally.add("params", p)
+        for p in self._plain.parameters():
+            tally.add("grads", p.grad)
+        tally.add_optimizer_state(self.optimizer.inner.state)
 
     def _make_ledger(self, when: str, only: tuple[str, ...] | None = None) -> MemoryLedger:
         tally = Tally(only)

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .base import Strategy, Tally
+from .base import Strategy
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -70,13 +70,6 @@ class DDPStrategy(Strategy):
         out = self._scaler.step(self.optimizer.inner)
         self._scaler.update()
         return out
-
-    def _tally(self, tally: Tally) -> None:
-        for p in self._plain.parameters():
-            tally.add("params", p)
-        for p in self._plain.parameters():
-            tally.add("grads", p.grad)
-        tally.add_optimizer_state(self.optimizer.inner.state)
 
     def _full_state_dict(self):
         return self._plain.state_dict()

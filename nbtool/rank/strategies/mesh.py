@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...metrics import PipelineStep
-from .base import Strategy, StrategyError, Tally, param_names, repoint_optimizer
+from .base import Strategy, StrategyError, param_names, repoint_optimizer
 from .spec import parallel_dims
 
 _meshes: dict = {}
@@ -209,13 +209,6 @@ class MeshStrategy(Strategy):
             t.copy_(new)
 
     # -- state -----------------------------------------------------------------------
-    def _tally(self, tally: Tally) -> None:
-        for p in self._plain.parameters():
-            tally.add("params", p)
-        for p in self._plain.parameters():
-            tally.add("grads", p.grad)
-        tally.add_optimizer_state(self.optimizer.inner.state)
-
     def _full_state_dict(self):
         from torch.distributed.tensor import DTensor
 
