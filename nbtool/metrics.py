@@ -154,9 +154,11 @@ class PipelineStep:
 
     ``step_s`` is the wall time of the schedule's step (forward and backward
     of every micro-batch); ``compute_s`` the time spent in the stage's own
-    forward and backward chunks. The rest, ``idle_s``, is the bubble: waiting
-    for the neighbouring stages, plus sending and receiving. For equal stages
-    theory gives (stages - 1) / (microbatches + stages - 1) of the step.
+    forward and backward chunks, loss (last stage) and gradient scaling. The
+    rest, ``idle_s``, is the bubble: waiting for the neighbouring stages, plus
+    sending, receiving and the schedule's bookkeeping. For equal stages and
+    free communication theory gives (stages - 1) / (microbatches + stages - 1)
+    of the step.
     """
 
     rank: int

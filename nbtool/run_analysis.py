@@ -89,9 +89,18 @@ def summary(run: RunRecords) -> dict:
 
 
 def bubble_table(run: RunRecords) -> list[dict]:
-    """Per rank of a pipeline run: its stage, mean step and compute seconds, the idle (bubble)
-    fraction measured, and theory's (p-1)/(M+p-1) for equal stages. Step 1 (shape inference,
-    warm-up) is left out when there are later steps."""
+    """Per rank of a pipeline run: its stage, the mean span of a pipeline step, its compute
+    seconds, and the idle (bubble) fraction measured, next to theory's (p-1)/(M+p-1).
+
+    A step's span runs from the first rank entering the schedule to the last one leaving it
+    (ranks share the host clock): theory's window. A stage's own schedule call misses part of
+    its idle time (the last stage is done while the first still runs its last backward).
+    Step 1 (shape inference, warm-up) is left out when there are later steps.
+    """
+    spans: dict = defaultdict(lambda: [float("inf"), float("-inf")])
+    for p in run.pipeline:
+        span = spans[p.step]
+        span[0], span[1] = min(span[0], p.t - p.step_s), max(span[1], p.t)
     by_rank = defaultdict(list)
     for p in run.pipeline:
         by_rank[p.rank].append(p)
@@ -99,11 +108,11 @@ def bubble_table(run: RunRecords) -> list[dict]:
     for rank in sorted(by_rank):
         recs = by_rank[rank]
         later = [p for p in recs if p.step > 1] or recs
-        step_s = statistics.fmean(p.step_s for p in later)
+        window = statistics.fmean(spans[p.step][1] - spans[p.step][0] for p in later)
         compute_s = statistics.fmean(p.compute_s for p in later)
+        idle = max(0.0, window - compute_s)
         rows.append({"rank": rank, "stage": recs[0].stage, "stages": recs[0].stages,
                      "microbatches": recs[0].microbatches, "schedule": recs[0].schedule,
-                     "step_s": step_s, "compute_s": compute_s, "idle_s": max(0.0, step_s - compute_s),
-                     "bubble": max(0.0, step_s - compute_s) / step_s if step_s else 0.0,
-                     "theory": recs[0].bubble_theory})
+                     "step_s": window, "compute_s": compute_s, "idle_s": idle,
+                     "bubble": idle / window if window else 0.0, "theory": recs[0].bubble_theory})
     return rows

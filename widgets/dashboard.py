@@ -26,7 +26,7 @@ PANELS = (
     "collective latency (ms)", "bus bandwidth vs size (GB/s)", "per step, rank 0: comm vs other (ms)",
 )
 
-PIPELINE_PANEL = "pipeline: per-step compute vs bubble per stage (ms)"
+PIPELINE_PANEL = "pipeline: per step, each stage's compute vs bubble over the step's span (ms)"
 
 
 class Dashboard:

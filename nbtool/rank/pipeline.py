@@ -13,7 +13,8 @@ then all backwards; 1F1B: one forward one backward in the steady state,
 fewer activations alive). With equal stages both leave each stage idle for
 (pp - 1) / (M + pp - 1) of a step, the bubble. ``StageClock`` measures how
 long the stage actually computes, so the bubble shown is measured, not
-assumed.
+assumed; it also holds the sends and receives (on CPU ranks a gloo round
+trip costs about as much as a small layer) and any imbalance of the stages.
 """
 from __future__ import annotations
 
@@ -63,14 +64,22 @@ def split_stage(model: nn.Module, stage: int, stages: int) -> list[str]:
 
 
 class StageClock:
-    """Seconds the stage spends in its own forward and backward chunks (the rest is bubble)."""
+    """Seconds the stage computes: its forward and backward chunks, the loss (last stage) and the
+    gradient scaling. The rest of a step is the bubble: waiting, sends and receives, scheduling."""
 
     def __init__(self, stage):
         self.compute_s = 0.0
-        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
-            fn = getattr(stage, method, None)
+        self._wrap(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
+                           "scale_grads"))
+
+    def watch_schedule(self, schedule) -> None:
+        self._wrap(schedule, ("_maybe_compute_loss",))
+
+    def _wrap(self, obj, methods) -> None:
+        for method in methods:
+            fn = getattr(obj, method, None)
             if fn is not None:
-                setattr(stage, method, self._timed(fn))
+                setattr(obj, method, self._timed(fn))
 
     def _timed(self, fn):
         def timed(*args, **kwargs):
@@ -91,7 +100,9 @@ def build_schedule(stage_model: nn.Module, stage: int, stages: int, device, grou
     pipe_stage = PipelineStage(stage_model, stage, stages, device, group=group)
     clock = StageClock(pipe_stage)
     cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    return cls(pipe_stage, microbatches, loss_fn=loss_fn), clock
+    sched = cls(pipe_stage, microbatches, loss_fn=loss_fn)
+    clock.watch_schedule(sched)
+    return sched, clock
 
 
 def bubble_theory(stages: int, microbatches: int) -> float:

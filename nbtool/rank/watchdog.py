@@ -28,7 +28,7 @@ POLL_S = 0.5
 DEFAULT_TIMEOUT_S = 60.0
 
 _local = threading.local()
-_inflight: dict[int, list] = {}  # seq -> [name, args, kwargs, t_start, work]
+_inflight: dict[int, list] = {}  # seq -> [name, args, kwargs, t_start, work]; async: [name, description, None, ...]
 _state = {"issued": 0, "timeout_s": DEFAULT_TIMEOUT_S, "rank": -1, "reports": 0}
 _reported: set[int] = set()
 _thread: threading.Thread | None = None
@@ -82,7 +82,10 @@ def _wrap(name: str, fn):
         try:
             result = complete(name, fn(*args, **kwargs))
             if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
-                entry[4], done = result, False  # in flight until the work completes
+                # in flight until the work completes (seen by the next poll). Keep its description,
+                # not its tensors: holding those until then would keep freed buffers alive
+                entry[1], entry[2] = describe_call(name, args, kwargs), None
+                entry[4], done = result, False
             return result
         finally:
             _local.depth = 0
@@ -97,7 +100,7 @@ def _wrap(name: str, fn):
 
 def _describe(seq: int, entry: list, now: float) -> dict:
     name, args, kwargs, t0, work = entry
-    op, size, n, dtype = describe_call(name, args, kwargs)
+    op, size, n, dtype = args if kwargs is None else describe_call(name, args, kwargs)
     return {"seq": seq, "op": op, "call": name, "size_bytes": size, "group_size": n, "dtype": dtype,
             "age_s": round(now - t0, 3), "async": work is not None}
 
