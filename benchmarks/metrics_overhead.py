@@ -63,8 +63,8 @@ def paired(ip, name: str, steps: int, warmup: int, block: int) -> tuple[float, f
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30, help="steps per separate-cell round")
-    ap.add_argument("--paired-steps", type=int, default=160, help="steps of the paired run (half on, half off)")
-    ap.add_argument("--block", type=int, default=4, help="steps per on/off block of the paired run")
+    ap.add_argument("--paired-steps", type=int, default=240, help="steps of the paired run (half on, half off)")
+    ap.add_argument("--block", type=int, default=2, help="steps per on/off block of the paired run")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=3)
     a = ap.parse_args()

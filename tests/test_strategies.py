@@ -309,3 +309,19 @@ def test_model_dependent_refusals(ranks, capsys, line, cell, fragment):
     res, out, _ = run(ranks, capsys, f"%%distributed {line}\n{cell}")
     assert isinstance(res.error_in_exec, RankError)
     assert f"ranks 0-1: StrategyError: {fragment}" in out
+
+
+def test_a_new_strategy_cell_frees_the_previous_deepspeed_engine(ranks):
+    """DeepSpeed's grad hooks (in autograd's C++ nodes) and two module globals kept every zero
+    engine alive: +70-170 MB per zero3 cell before ZeroStrategy.release destroyed them."""
+    probe = ("%%distributed --quiet\nimport gc, deepspeed\ngc.collect()\n"
+             "_live = sum(isinstance(o, deepspeed.DeepSpeedEngine) for o in gc.get_objects())")
+    for line in ("zero3", "zero3", "zero2", "zero3"):
+        train(ranks, line, steps=2)
+        ranks.run_cell(probe).raise_error()
+        ranks.run_line_magic("dist_pull", "_live")
+        assert ranks.user_ns["_live"] == [1, 1], line  # the last cell's engine only
+    train(ranks, "ddp", steps=1)
+    ranks.run_cell(probe).raise_error()
+    ranks.run_line_magic("dist_pull", "_live")
+    assert ranks.user_ns["_live"] == [0, 0]

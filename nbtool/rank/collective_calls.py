@@ -89,25 +89,44 @@ def is_async(name: str, kwargs: dict) -> bool:
 
 
 def describe_call(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, str]:
-    """(op, size S in bytes, group size, dtype) of one call; never raises."""
-    import torch.distributed as dist
+    """(op, size S in bytes, group size, dtype) of one call; never raises.
 
+    On every recorded collective's path (ZeRO-3 issues ~100 a step), so it
+    avoids torch.distributed's checked lookups: ``group.size()`` directly,
+    the world size looked up once, dtype names cached.
+    """
     if name.startswith(FUNCTIONAL_PREFIX):
         return _describe_functional(name[len(FUNCTIONAL_PREFIX):], args, kwargs)
     op, arg, how = WRAPPED[name]
     try:
         group = kwargs.get("group")
-        n = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        n = group.size() if group is not None else _world_size()
         tensor = None
         if arg is not None:
-            keys = _KEYWORDS[(arg, how)]
-            tensor = args[arg] if len(args) > arg else next((kwargs[k] for k in keys if k in kwargs), None)
+            if len(args) > arg:
+                tensor = args[arg]
+            else:
+                tensor = next((kwargs[k] for k in _KEYWORDS[(arg, how)] if k in kwargs), None)
         return op, nbytes(tensor), n, dtype_name(tensor)
     except Exception:  # an unusual call signature: what is known, never break the call
         try:
-            return op, 0, dist.get_world_size(), ""
+            return op, 0, _world_size(), ""
         except Exception:
             return op, 0, 0, ""
+
+
+_world: list = []  # (the default process group, its size): one group per engine life, checked by identity
+
+
+def _world_size() -> int:
+    import torch.distributed.distributed_c10d as c10d
+
+    pg = c10d._world.default_pg
+    if not _world or _world[0][0] is not pg:
+        import torch.distributed as dist
+
+        _world[:] = [(pg, dist.get_world_size())]
+    return _world[0][1]
 
 
 def _describe_functional(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, str]:
@@ -125,16 +144,24 @@ def _describe_functional(name: str, args: tuple, kwargs: dict) -> tuple[str, int
 
 
 def nbytes(t) -> int:
-    import torch
-
     if isinstance(t, (list, tuple)):
         return sum(nbytes(x) for x in t)
-    return t.numel() * t.element_size() if torch.is_tensor(t) else 0
+    try:
+        return t.numel() * t.element_size()
+    except AttributeError:  # not a tensor
+        return 0
+
+
+_DTYPE_NAMES: dict = {}
 
 
 def dtype_name(t) -> str:
-    import torch
-
     if isinstance(t, (list, tuple)):
         return dtype_name(t[0]) if t else ""
-    return str(t.dtype).replace("torch.", "") if torch.is_tensor(t) else ""
+    dtype = getattr(t, "dtype", None)
+    if dtype is None:
+        return ""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is None:
+        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
+    return name

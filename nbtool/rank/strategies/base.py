@@ -340,6 +340,9 @@ class Strategy:
             return f"{self.name}: strategy.prepare(model, optimizer) was not called in this cell"
         return f"{self.name}: " + "; ".join(self._summary_parts())
 
+    def release(self) -> None:
+        """Let go of what this strategy set up, when the next strategy cell replaces it."""
+
     # -- for subclasses --------------------------------------------------------
     def _wrap(self, model, optimizer):
         raise NotImplementedError

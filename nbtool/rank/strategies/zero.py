@@ -115,6 +115,17 @@ class ZeroStrategy(Strategy):
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             return {k: v.detach().clone().cpu() for k, v in self._engine.module.state_dict().items()}
 
+    def release(self) -> None:
+        """Destroy the DeepSpeed engine: without this every zero cell leaks its engine, model and
+        optimizer (ZeRO-3: +70-170 MB RSS per cell on the 3.4M-parameter model). Its gradient
+        hooks live in autograd's C++ nodes and close over the optimizer, a cycle Python's garbage
+        collector cannot see; DeepSpeed also keeps modules in two module globals."""
+        from . import release_deepspeed_state
+
+        if self.model is not None:
+            self._engine.destroy()
+        release_deepspeed_state()
+
     def _describe(self):
         d = super()._describe()
         zero = self.config["zero_optimization"]
