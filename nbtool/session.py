@@ -5,7 +5,6 @@ layers to the notebook's display.
 """
 from __future__ import annotations
 
-import re
 import sys
 import time
 
@@ -384,11 +383,11 @@ def plan_vs_last() -> None:
     layout = {"fsdp": "fsdp" if desc.get("reshard_after_forward", True) else "fsdp-grad-op"}.get(run.strategy, run.strategy)
     hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
     precision = desc.get("precision_spec", "fp32")
-    dims = re.fullmatch(r"dp\((\d+)\) x tp\((\d+)\) x pp\((\d+)\)", str(desc.get("sharding", "")))
-    tp = pp = 1
+    dp, tp, pp = desc.get("dims") or (None, None, None)  # set for tp / pp layouts only
     note = None
-    if dims:  # a tp / pp layout
-        dp, tp, pp = map(int, dims.groups())
+    if tp is None:
+        tp = pp = 1
+    else:
         layout = "tp-pp" if tp > 1 and pp > 1 else ("tp" if tp > 1 else "pp")
         note = ("the planner splits every parameter over tp x pp (Megatron's approximation); here embeddings, "
                 "norms and row-parallel biases stay whole under tp, and stages differ in size under pp"

@@ -1,6 +1,7 @@
 """Recording on real ranks (collectives, memory, steps, scalars), export/load, dashboard, comparison."""
 from __future__ import annotations
 
+from collections import Counter
 import json
 
 import pytest
@@ -233,3 +234,12 @@ def test_dashboard_from_a_real_run(ranks):
     assert dash.op.value == "all_gather"  # no all_reduce in an FSDP run: first op seen
     assert len(by_name["rank 1 loss"].y) == 4
     assert sum(dash.fig.data[i].y[0] for i in range(5)) > 0  # rank 0's ledger bars
+
+
+def test_later_zero_runs_are_recorded_as_fully_as_the_first(ranks):
+    """DeepSpeed's comm backend keeps the all-gather function it found in the first zero cell;
+    when the recorder patched torch.distributed per run, later runs lost those calls."""
+    counts = [Counter(c.op for c in record(ranks, line).comms if c.rank == 0)
+              for line in ("zero3", "zero2", "zero3")]
+    assert counts[2] == counts[0] and counts[0]["all_gather"] > 0
+    assert counts[1]["all_gather"] > 0  # zero2 gathers its updated partitions

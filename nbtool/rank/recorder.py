@@ -1,7 +1,9 @@
 """Recording a rank's collectives, memory, steps and logged scalars while a cell runs.
 
-Collectives are caught at torch.distributed's Python API (every public
-collective, wrapped for the duration of the run): FSDP2, DeepSpeed and
+Collectives are caught at torch.distributed's Python API, through the hang
+watchdog's wrappers (installed once per engine life; ``watchdog.observe``
+hands each outermost call to the active recorder, so references captured by
+DeepSpeed in an earlier cell still reach this one): FSDP2, DeepSpeed and
 pipelining issue theirs there, DTensor (tensor and sequence parallelism)
 through the functional collectives (nbtool.rank.collective_calls), and the DDP strategy routes its bucket all-reduces through a
 Python comm hook that calls ``dist.all_reduce``. (A TorchDispatchMode would
@@ -28,7 +30,6 @@ nothing depends on the live path.
 """
 from __future__ import annotations
 
-import functools
 import os
 import queue
 import threading
@@ -39,9 +40,8 @@ import torch
 from ..collectives import bandwidths, bus_factor
 from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
 from .bootstrap import rank_device
-from .collective_calls import complete, describe_call, is_async, targets
+from .collective_calls import complete, describe_call, is_async
 
-_local = threading.local()
 _active: "Recorder | None" = None
 
 
@@ -62,7 +62,6 @@ class Recorder:
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._originals: dict = {}
         self.step = 0
         device = rank_device()
         self._cuda = device.type == "cuda"
@@ -74,14 +73,11 @@ class Recorder:
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
         global _active
-        wrapped: dict = {}  # one wrapper per function: dist.isend must stay c10d.isend (P2POp checks it)
-        for module, attr, name in targets():
-            fn = getattr(module, attr)
-            if not getattr(fn, "_nbtool_wrapped", False):
-                self._originals[(module, attr)] = fn
-                if id(fn) not in wrapped:
-                    wrapped[id(fn)] = self._wrap(name, fn)
-                setattr(module, attr, wrapped[id(fn)])
+        from . import watchdog
+
+        if not watchdog.installed():  # outside a bootstrapped engine
+            watchdog.install(self.rank)
+        watchdog.observe(self._call)
         _active = self
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
         self._sample("interval")
@@ -91,11 +87,11 @@ class Recorder:
         self._completer.start()
 
     def stop(self) -> list:
-        """Restore torch.distributed, stop the sampler, return every record of the run."""
+        """Stop observing collectives and sampling; return every record of the run."""
         global _active
-        for (module, name), fn in self._originals.items():
-            setattr(module, name, fn)
-        self._originals.clear()
+        from . import watchdog
+
+        watchdog.observe(None)
         _active = None
         self._stop.set()
         self._async.put(None)
@@ -160,23 +156,8 @@ class Recorder:
         self._add(ScalarRecord(self.rank, step, time.time(), dict(values)))
 
     # -- collectives -------------------------------------------------------------
-    def _wrap(self, name: str, fn):
-        recorder = self
-
-        @functools.wraps(fn)
-        def wrapper(*args, **kwargs):
-            if getattr(_local, "depth", 0):  # inner call of a wrapper we already count
-                return fn(*args, **kwargs)
-            _local.depth = 1
-            try:
-                return recorder._call(fn, name, args, kwargs)
-            finally:
-                _local.depth = 0
-
-        wrapper._nbtool_wrapped = True
-        return wrapper
-
     def _call(self, fn, name, args, kwargs):
+        """Make one outermost collective call (from the watchdog's wrapper) and record it."""
         op, size, n, dtype = describe_call(name, args, kwargs)
         self._seq += 1
         seq, step = self._seq, self.step

@@ -97,9 +97,15 @@ def default_plan(model: nn.Module, sp: bool) -> dict:
 
 
 def matching(plan: dict, model: nn.Module) -> dict:
-    """{pattern: [module names it matches]} for each plan entry."""
+    """{pattern: [module names it matches]} for each plan entry (exact names looked up directly)."""
     names = [n for n, _ in model.named_modules() if n]
-    return {pattern: [n for n in names if fnmatch.fnmatchcase(n, pattern)] for pattern in plan}
+    known = set(names)
+    return {pattern: ([n for n in names if fnmatch.fnmatchcase(n, pattern)] if _WILDCARDS & set(pattern)
+                      else [pattern] if pattern in known else [])
+            for pattern in plan}
+
+
+_WILDCARDS = set("*?[")
 
 
 def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
@@ -107,7 +113,8 @@ def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
     modules = dict(model.named_modules())
-    for pattern, names in matching(plan, model).items():
+    matches = matching(plan, model)
+    for pattern, names in matches.items():
         if not names:
             near = sorted(n for n in modules if n.split(".")[-1] == pattern.split(".")[-1])[:3]
             hint = f" (modules with that last name: {', '.join(near)})" if near else ""
@@ -121,19 +128,21 @@ def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
                     dim = "output" if isinstance(style, ColwiseParallel) else "input"
                     raise StrategyError(f"{name}: {dim} size {size} is not divisible by tp({tp}); "
                                         f"use a tp that divides {size}")
-    for name, m in modules.items():
+    attention = parallel_attention(plan, matches)
+    for name in (n for n in modules if n in attention):
         for attr in HEAD_ATTRS:
-            heads = getattr(m, attr, None)
-            if isinstance(heads, int) and _is_parallel_attention(name, plan, model) and heads % tp:
+            heads = getattr(modules[name], attr, None)
+            if isinstance(heads, int) and heads % tp:
                 raise StrategyError(f"{name}.{attr} = {heads} heads are not divisible by tp({tp}); "
                                     f"each rank must own whole heads: use a tp that divides {heads}")
 
 
 def localize_heads(plan: dict, model: nn.Module, tp: int) -> list[str]:
     """Divide head counts of the column-sharded attention modules by tp (each rank runs heads/tp)."""
+    attention = parallel_attention(plan, matching(plan, model))
     changed = []
-    for name, m in model.named_modules():
-        if not _is_parallel_attention(name, plan, model):
+    for name, m in model.named_modules():  # in model order, for describe()
+        if name not in attention:
             continue
         for attr in HEAD_ATTRS:
             heads = getattr(m, attr, None)
@@ -143,13 +152,18 @@ def localize_heads(plan: dict, model: nn.Module, tp: int) -> list[str]:
     return changed
 
 
-def _is_parallel_attention(name: str, plan: dict, model: nn.Module) -> bool:
+def parallel_attention(plan: dict, matches: dict) -> set[str]:
+    """Modules whose q/k/v projections the plan makes column-parallel (their heads get split)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    prefix = f"{name}." if name else ""
-    return any(isinstance(style, ColwiseParallel) and any(
-        n.startswith(prefix) and n[len(prefix):] in ATTENTION_IN for n in names)
-        for (pattern, names), style in zip(matching(plan, model).items(), plan.values()))
+    out = set()
+    for (pattern, names), style in zip(matches.items(), plan.values()):
+        if isinstance(style, ColwiseParallel):
+            for n in names:
+                parent, _, child = n.rpartition(".")
+                if child in ATTENTION_IN:
+                    out.add(parent)
+    return out
 
 
 def _split_size(m: nn.Module, style) -> int | None:

@@ -32,6 +32,7 @@ _inflight: dict[int, list] = {}  # seq -> [name, args, kwargs, t_start, work]; a
 _state = {"issued": 0, "timeout_s": DEFAULT_TIMEOUT_S, "rank": -1, "reports": 0}
 _reported: set[int] = set()
 _thread: threading.Thread | None = None
+_observer = None  # see observe()
 _HERE = os.path.dirname(__file__)
 
 
@@ -52,6 +53,23 @@ def install(rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         _thread.start()
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGUSR1, _on_stack_request)
+
+
+def observe(call) -> None:
+    """Hand every outermost collective to ``call(fn, name, args, kwargs)`` (which makes the call
+    and returns its result), or stop with None: how the metrics recorder sees collectives.
+
+    The recorder goes through these wrappers rather than patching torch.distributed itself:
+    they are installed once per engine life, so a reference DeepSpeed captures (its comm
+    backend keeps ``all_gather_into_tensor`` from the first zero cell) stays valid for every
+    later recording.
+    """
+    global _observer
+    _observer = call
+
+
+def installed() -> bool:
+    return _thread is not None
 
 
 def configure(timeout_s: float) -> None:
@@ -80,7 +98,9 @@ def _wrap(name: str, fn):
         _local.depth = 1
         done = True
         try:
-            result = complete(name, fn(*args, **kwargs))
+            observer = _observer
+            result = (observer(fn, name, args, kwargs) if observer is not None
+                      else complete(name, fn(*args, **kwargs)))
             if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
                 # in flight until the work completes (seen by the next poll). Keep its description,
                 # not its tensors: holding those until then would keep freed buffers alive
@@ -93,8 +113,6 @@ def _wrap(name: str, fn):
                 _inflight.pop(seq, None)
 
     wrapper._nbtool_watched = True
-    # the metrics recorder wraps on top of this wrapper; keep its marker off
-    wrapper.__dict__.pop("_nbtool_wrapped", None)
     return wrapper
 
 

@@ -57,31 +57,6 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
     get_ipython().user_ns["strategy"] = _last
 
 
-def release_deepspeed_state() -> None:
-    """Drop what DeepSpeed 0.19 keeps in module globals after a ZeRO-3 run (see ZeroStrategy.release):
-    ``PartitionedParameterCoordinator.__params_to_release`` is an unbounded
-    ``functools.lru_cache`` on a method (its keys hold ``self`` and the
-    modules), and ``parameter_offload.FWD_MODULE_STACK`` keeps the root
-    module pushed by the last forward.
-    """
-    import sys
-
-    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
-    if offload is not None and isinstance(getattr(offload, "FWD_MODULE_STACK", None), list):
-        offload.FWD_MODULE_STACK.clear()
-    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
-    cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
-    fn = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
-    for _ in range(3):  # DeepSpeed's nvtx wrapper holds the lru_cache in a closure
-        if fn is None or hasattr(fn, "cache_clear"):
-            break
-        cells = dict(zip(getattr(fn, "__code__", None) and fn.__code__.co_freevars or (),
-                         (c.cell_contents for c in fn.__closure__ or ())))
-        fn = getattr(fn, "__wrapped__", None) or cells.get("func")
-    if hasattr(fn, "cache_clear"):
-        fn.cache_clear()
-
-
 def _stop_recorder() -> list:
     if _last is not None and _last.recorder is not None:
         records, _last.recorder = _last.recorder.stop(), None
@@ -99,7 +74,8 @@ def finish(want_summary: bool = True) -> dict:
             # plus what the planner needs to predict this run (%dist_plan --vs-last)
             out["description"] = {**dict(_last.describe()), "param_numels": list(_last._param_numels),
                                   "precision_spec": _last.spec.precision,
-                                  "reshard_after_forward": _last.spec.reshard_after_forward}
+                                  "reshard_after_forward": _last.spec.reshard_after_forward,
+                                  "dims": [getattr(_last, d, None) for d in ("dp", "tp", "pp")]}
     return out
 
 

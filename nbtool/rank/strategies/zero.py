@@ -120,11 +120,9 @@ class ZeroStrategy(Strategy):
         optimizer (ZeRO-3: +70-170 MB RSS per cell on the 3.4M-parameter model). Its gradient
         hooks live in autograd's C++ nodes and close over the optimizer, a cycle Python's garbage
         collector cannot see; DeepSpeed also keeps modules in two module globals."""
-        from . import release_deepspeed_state
-
         if self.model is not None:
             self._engine.destroy()
-        release_deepspeed_state()
+        _release_deepspeed_globals()
 
     def _describe(self):
         d = super()._describe()
@@ -147,3 +145,26 @@ class ZeroStrategy(Strategy):
                         ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients")}
         d["deepspeed_config"] = self.config
         return d
+
+
+def _release_deepspeed_globals() -> None:
+    """Drop what DeepSpeed 0.19 keeps in module globals after a ZeRO-3 run (see ZeroStrategy.release):
+    ``PartitionedParameterCoordinator.__params_to_release`` is an unbounded
+    ``functools.lru_cache`` on a method (its keys hold ``self`` and the
+    modules), and ``parameter_offload.FWD_MODULE_STACK`` keeps the root
+    module pushed by the last forward.
+    """
+    import sys
+
+    offload = sys.modules.get("deepspeed.runtime.zero.parameter_offload")
+    if offload is not None and isinstance(getattr(offload, "FWD_MODULE_STACK", None), list):
+        offload.FWD_MODULE_STACK.clear()
+    coordinator = sys.modules.get("deepspeed.runtime.zero.partitioned_param_coordinator")
+    cls = getattr(coordinator, "PartitionedParameterCoordinator", None)
+    fn = getattr(cls, "_PartitionedParameterCoordinator__params_to_release", None)
+    if fn is not None and not hasattr(fn, "cache_clear"):  # the lru_cache sits inside DeepSpeed's nvtx wrapper
+        import inspect
+
+        fn = inspect.getclosurevars(fn).nonlocals.get("func")
+    if hasattr(fn, "cache_clear"):
+        fn.cache_clear()
