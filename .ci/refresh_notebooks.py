@@ -4,8 +4,10 @@ Usage: .venv/bin/python .ci/refresh_notebooks.py [notebooks/NN_name.ipynb ...]
 
 Only cells marked to be checked (tag nbval-check-output or a
 "# NBVAL_CHECK_OUTPUT" comment) keep their outputs in the repository; the rest
-are cleared so the files stay small (a plotly figure inlines ~5 MB of JS) and
-diffs show only what nbval compares.
+are cleared, and the saved widget state (``metadata.widgets``, which carries
+plotly's ~5 MB JS bundle for every FigureWidget) is dropped, so the files stay
+small (tests/test_notebook_files.py: under 200 KB each) and diffs show only
+what nbval compares.
 """
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ def refresh(path: str) -> None:
         if cell.cell_type == "code" and not checked(cell):
             cell.outputs = []
             cell.execution_count = None
+    nb.metadata.pop("widgets", None)
     nbformat.write(nb, path)
     print("refreshed", path)
 

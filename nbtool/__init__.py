@@ -14,6 +14,10 @@ def load_ipython_extension(ipython):
 
     _magics = NbtoolMagics(ipython)
     ipython.register_magics(_magics)
+    if getattr(ipython, "kernel", None) is not None:  # in a Jupyter kernel: ask the front end early
+        from .widgets import front_end
+
+        front_end.app()
 
 
 def unload_ipython_extension(ipython):

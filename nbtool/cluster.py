@@ -265,14 +265,33 @@ class RankCluster:
         return None
 
     def close_group(self, ranks: list[int], reason: str, timeout: float = 5.0) -> None:
-        """Tear down the process group on idle ``ranks`` (see bootstrap.close_process_group)."""
+        """Tear down the process group on idle ``ranks`` (see bootstrap.close_process_group).
+
+        Each idle rank also shuts down its TCP connections to the other ranks'
+        processes (found in the OS's socket tables), so a peer blocked in a
+        gloo collective gets end-of-file at once even while a DDP model or a
+        DeviceMesh in its namespace keeps the group object alive.
+        """
         self.group_closed = reason
-        if ranks:
-            ar = self.view(ranks).apply_async(bootstrap.close_process_group)
+        for r in ranks:
             try:
-                ar.get(timeout=timeout)
+                fds = self.peer_sockets(r)
+                self.view([r]).apply_async(bootstrap.close_process_group, fds).get(timeout=timeout)
             except Exception:
                 pass
+
+    def peer_sockets(self, rank: int) -> list[int]:
+        """File descriptors of rank's TCP connections whose other end is another rank's process."""
+        import psutil
+
+        conns = {}
+        for r, pid in enumerate(self.pids):
+            try:
+                conns[r] = psutil.Process(pid).net_connections(kind="tcp")
+            except psutil.Error:
+                conns[r] = []
+        others = {tuple(c.laddr) for r, cs in conns.items() if r != rank for c in cs if c.laddr}
+        return sorted({c.fd for c in conns.get(rank, []) if c.raddr and tuple(c.raddr) in others and c.fd >= 0})
 
     def set_collective_timeout(self, seconds: float) -> None:
         """Tell every live engine's watchdog the per-collective timeout (only when it changes)."""

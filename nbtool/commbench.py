@@ -1,4 +1,4 @@
-"""``%commbench`` results (kernel side, pure Python): sizes, the table, the alpha-beta fit.
+"""``%commbench`` results (kernel side, pure Python; plots are drawn by nbtool.widgets): sizes, table, fit.
 
 Per op and size, the reported time is nccl-tests': the mean time per call
 (timed as one batch of ``iters`` calls) of the slowest rank; min / median /
@@ -177,23 +177,13 @@ class CommbenchResult:
         return self.text()
 
     def figure(self, *others: "CommbenchResult"):
-        """Latency (log-log) and busbw vs size; pass other results to overlay them."""
-        import plotly.graph_objects as go
-        from plotly.subplots import make_subplots
+        """Latency (log-log) and busbw vs size; pass other results to overlay them (drawn by nbtool.widgets)."""
+        from .widgets.commbench_view import result_figure
 
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call (us)", "bus bandwidth (GB/s)"))
-        for res in (self, *others):
-            for op in BENCH_OPS:
-                pts = [r for r in res.rows if r["op"] == op]
-                if not pts:
-                    continue
-                name = f"{res.label or res.backend} {op}"
-                xs = [r["size_bytes"] for r in pts]
-                fig.add_trace(go.Scatter(x=xs, y=[r["seconds"] * 1e6 for r in pts], mode="lines+markers",
-                                         name=name, legendgroup=name), 1, 1)
-                fig.add_trace(go.Scatter(x=xs, y=[r["busbw"] / 1e9 for r in pts], mode="lines+markers",
-                                         name=name, legendgroup=name, showlegend=False), 1, 2)
-        fig.update_xaxes(type="log", title_text="S (bytes)")
-        fig.update_yaxes(type="log", row=1, col=1)
-        fig.update_layout(height=380, margin=dict(t=40, l=40, r=20, b=40))
-        return fig
+        return result_figure(self, *others)
+
+    def _repr_html_(self) -> str:
+        # one unwrapped line per row: JupyterLab wraps long text/plain lines
+        import html
+
+        return f"<pre style='white-space:pre; overflow-x:auto'>{html.escape(self.text())}</pre>"

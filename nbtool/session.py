@@ -106,27 +106,32 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
     run = RunRecords(name=name or spec.name, strategy=spec.name, world_size=cluster.world_size, t_start=time.time())
     dash = None
     if metrics and watch and in_kernel and not quiet:
-        from IPython.display import display
-
         from .widgets import Dashboard
 
         from .rank.strategies.spec import LAYOUT_NAMES, parallel_dims
 
         pipeline = spec.name in LAYOUT_NAMES and parallel_dims(spec, cluster.world_size)[2] > 1
+        from .widgets.figures import show_live
+
         dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline)
-        display(dash.widget)
+        dash_id = show_live(dash.widget)
     try:
         cluster.view(ranks).apply_sync(strategies.install, spec, metrics, dash is not None)
     except BaseException:
         _finish(cluster, ranks, want_summary=False)  # ranks where it worked: stop their recorders
         if dash is not None:
+            from .widgets.figures import replace_live
+
+            replace_live(dash_id)
             dash.close()
         raise
     live = _LiveRecords(run, dash)
     finished = None
+    ok = False
     try:
         run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
                  on_tick=live if dash is not None else None, progress=_progress(in_kernel))
+        ok = True
     finally:
         # always stop the recorders: they patch torch.distributed on the ranks
         finished = _finish(cluster, ranks, want_summary=not quiet)
@@ -135,16 +140,15 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
                              t_end=time.time(), description=finished[0]["description"])
             for part in finished:
                 run.add(part["records"])
-            RUNS[run.name] = run
+            if ok:  # a failed run is kept for inspection (last_run()), never as a comparison row
+                RUNS[run.name] = run
             LAST[:] = [run]
-        if dash is not None:
-            dash.refresh(run, force=True)
-            from .widgets import show_figure
+        if dash is not None:  # the live widget's output becomes its static copy, in place
+            from .widgets.figures import replace_live
 
-            static = dash.static()
-            static.update_layout(title=dict(text=f"{run.name}: {dash.status_text(run)}", font_size=12))
+            dash.refresh(run, force=True)
+            replace_live(dash_id, dash.static(run))
             dash.close()
-            show_figure(static)
     if not quiet and finished is not None and finished[0]["summary"]:
         print(finished[0]["summary"])
         if export_config:
@@ -192,7 +196,7 @@ def compare(cluster: RankCluster, code: str, runs: list[tuple[str, object]], *, 
         if not quiet:
             print(f"--- {name} ---")
         recorded.append(run_strategy(cluster, code, spec, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
-                                     watch=False, name=name, collective_timeout=collective_timeout))
+                                     name=name, collective_timeout=collective_timeout))
     show_comparison(recorded, in_kernel)
 
 
@@ -247,14 +251,13 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
     _prepare_cell(cluster, everyone, None, collectives=True)
     n = len(ranks)
     counts = {op: sorted({element_count(op, s, n, DTYPES[dtype]) for s in sizes}) for op in ops}
-    plot = None
+    plot = plot_id = None
     if in_kernel:
-        from IPython.display import display
-
         from .widgets.commbench_view import SweepPlot
+        from .widgets.figures import show_live
 
         plot = SweepPlot(ops)
-        display(plot.fig)
+        plot_id = show_live(plot.fig)
     # every rank takes part: creating the sub-group (if any) is collective over the world
     ar = cluster.view(everyone).apply_async(rank_bench.run_sweep, ops, counts, dtype, iters, warmup,
                                             tuple(ranks), inplace, plot is not None)
@@ -270,19 +273,23 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
             if seen:
                 plot.show_rows(list(seen.values()), n)
         per_rank = ar.get()
-    except KeyboardInterrupt:
-        cluster.signal(everyone, "SIGINT")
-        ar.wait(5)
-        raise
-    finally:
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            cluster.signal(everyone, "SIGINT")
+            ar.wait(5)
         if plot is not None:
+            from .widgets.figures import replace_live
+
+            replace_live(plot_id)
             plot.close()
+        raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
-    if plot is not None:
-        from .widgets import show_figure
+    if plot is not None:  # the live plot's output becomes the result's static figure, in place
+        from .widgets.figures import replace_live
 
-        show_figure(result.figure())
+        replace_live(plot_id, result.figure())
+        plot.close()
     COMMBENCH[:] = [result]
     if result.wrong:
         print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
@@ -324,7 +331,7 @@ def plan(args, cluster, in_kernel: bool, shell):
         from .widgets.picker import Picker
 
         picker = Picker(hardware=hw, model=model_name if shape is None else "custom", shell=shell)
-        with picker.widget.hold_sync():
+        with picker.quiet():  # one chart update after all inputs are set
             if shape is not None:
                 picker.custom_params.value = shape.params / 1e9
             if args.devices:
@@ -334,7 +341,7 @@ def plan(args, cluster, in_kernel: bool, shell):
             picker.precision.value = args.precision
             picker.checkpointing.value = args.checkpointing
         picker.update()
-        display(picker.widget)
+        picker.show()
         return None
     hw = hw or HARDWARE_PRESETS["8x A100-80GB NVLink"]
     if args.devices:

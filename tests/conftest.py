@@ -32,3 +32,11 @@ def cluster(ip):
     yield magics
     if magics.rank_cluster is not None:
         ip.run_line_magic("cluster", "stop")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (browser tests screenshot failed checks)."""
+    outcome = yield
+    rep = outcome.get_result()
+    setattr(item, f"rep_{rep.when}", rep)

@@ -193,9 +193,22 @@ def synthetic_run(n_steps: int = 3) -> RunRecords:
 
 
 def count_messages(widget) -> list:
+    """Plotly updates the widget sends: the states whose ``_py2js_update`` carries data.
+
+    (Plotly sets the trait to the update and back to None; a ``hold_sync``
+    around it sent only the None, which the browser ignores.)
+    """
     sent = []
     original = widget.comm.send
-    widget.comm.send = lambda *a, **k: (sent.append(a), original(*a, **k))[1]
+
+    def send(*a, **k):
+        data = k.get("data") or (a[0] if a else {})
+        update = (data.get("state") or {}).get("_py2js_update")
+        if update:
+            sent.append(update)
+        return original(*a, **k)
+
+    widget.comm.send = send
     return sent
 
 

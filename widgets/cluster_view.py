@@ -51,7 +51,9 @@ class StatusTable:
         rows = "".join(
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in self.cells()
         )
-        caption = f"<caption>{html.escape(self.header)}</caption>" if self.header else ""
+        # left-aligned, line breaks kept: browsers centre a caption and wrap it to the table's width
+        caption = (f"<caption style='text-align:left; white-space:pre-wrap; caption-side:top'>"
+                   f"{html.escape(self.header)}</caption>" if self.header else "")
         return f"<table class='nbtool-status'>{caption}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 

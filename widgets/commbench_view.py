@@ -1,8 +1,42 @@
-"""Live plot of a %commbench sweep: rows appear as rank 0 measures them."""
+"""``%commbench`` plots: the live sweep (rows appear as rank 0 measures them) and a result's figure.
+
+One colour per op (and per result when several are overlaid), the same in
+both panels; byte axes tick at powers of 16 with binary units instead of
+plotly's cluttered minor log labels.
+"""
 from __future__ import annotations
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
+
+from nbtool.collectives import bandwidths
+from nbtool.commbench import BENCH_OPS
+from nbtool.metrics import format_bytes
+
+COLORS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880")
+DASHES = ("solid", "dash", "dot", "dashdot")
+
+
+def op_color(op: str) -> str:
+    return COLORS[BENCH_OPS.index(op) % len(COLORS)] if op in BENCH_OPS else COLORS[-1]
+
+
+def bytes_ticks(lo: float = 1, hi: float = 2**30) -> tuple[list[int], list[str]]:
+    """Tick values at powers of 16 covering [lo, hi], labelled in binary units."""
+    vals, v = [], 1
+    while v <= max(hi, 1) * 16:
+        if v * 16 >= lo:
+            vals.append(v)
+        v *= 16
+    return vals, [format_bytes(x).replace(".00 ", " ").replace(".0 ", " ") for x in vals]
+
+
+def _axes(fig: go.Figure, sizes: list[int]) -> None:
+    vals, text = bytes_ticks(min(sizes, default=1), max(sizes, default=2**26))
+    fig.update_xaxes(type="log", title_text="S (bytes)", tickvals=vals, ticktext=text, minor_showgrid=False)
+    fig.update_yaxes(type="log", dtick=1, row=1, col=1)  # decades only: no "2 5" minor labels
+    fig.update_layout(height=380, margin=dict(t=40, l=50, r=20, b=40), legend_font_size=11)
+    fig.update_annotations(font_size=12)
 
 
 class SweepPlot:
@@ -10,19 +44,16 @@ class SweepPlot:
         fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call, rank 0, live (us)",
                                                             "bus bandwidth, rank 0, live (GB/s)"))
         for op in ops:
-            fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=op, legendgroup=op), 1, 1)
-            fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=op, legendgroup=op,
+            c = op_color(op)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=op, legendgroup=op, line_color=c), 1, 1)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=op, legendgroup=op, line_color=c,
                                      showlegend=False), 1, 2)
-        fig.update_xaxes(type="log", title_text="S (bytes)")
-        fig.update_yaxes(type="log", row=1, col=1)
-        fig.update_layout(height=360, margin=dict(t=40, l=40, r=20, b=40))
+        _axes(fig, [])
         self.fig = go.FigureWidget(fig)
         self.ops = list(ops)
 
     def show_rows(self, rows: list[dict], n: int) -> None:
-        from nbtool.collectives import bandwidths
-
-        with self.fig.hold_sync(), self.fig.batch_update():
+        with self.fig.batch_update():  # never inside hold_sync: the browser would get no update
             for i, op in enumerate(self.ops):
                 pts = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size_bytes"])
                 xs = [r["size_bytes"] for r in pts]
@@ -34,3 +65,22 @@ class SweepPlot:
         self.fig.close()
 
 
+def result_figure(*results) -> go.Figure:
+    """Latency (log-log) and busbw against size for one or more CommbenchResults, overlaid."""
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call (us)", "bus bandwidth (GB/s)"))
+    sizes = []
+    for k, res in enumerate(results):
+        for op in BENCH_OPS:
+            pts = [r for r in res.rows if r["op"] == op]
+            if not pts:
+                continue
+            name = f"{res.label or res.backend} {op}" if len(results) > 1 or res.label else op
+            xs = [r["size_bytes"] for r in pts]
+            sizes += xs
+            line = dict(color=op_color(op), dash=DASHES[k % len(DASHES)])
+            fig.add_trace(go.Scatter(x=xs, y=[r["seconds"] * 1e6 for r in pts], mode="lines+markers",
+                                     name=name, legendgroup=name, line=line), 1, 1)
+            fig.add_trace(go.Scatter(x=xs, y=[r["busbw"] / 1e9 for r in pts], mode="lines+markers",
+                                     name=name, legendgroup=name, showlegend=False, line=line), 1, 2)
+    _axes(fig, sizes)
+    return fig

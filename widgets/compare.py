@@ -10,9 +10,15 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from nbtool import run_analysis
-from nbtool.metrics import RunRecords
+from nbtool.metrics import RunRecords, format_bytes
 
 MIB = 2**20
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash")
+
+
+def _op_bytes(op: str, b: float) -> str:
+    # MiB keeps the column comparable; a few bytes (a loss all_reduce) would read 0.000
+    return f"{op} {b / MIB:.3f}" if b >= 0.0005 * MIB else f"{op} {format_bytes(b)}"
 
 
 def _ratio(x, base) -> str:
@@ -44,7 +50,7 @@ class Comparison:
             ms = max(row["model_state_bytes"].values() or [0])
             bus = row["bus_bytes_per_step"]
             cells = [row["name"], f"{ms / MIB:.3f}", _ratio(ms, bmax), f"{bus / MIB:.3f}", _ratio(bus, bbus),
-                     ", ".join(f"{op} {b / MIB:.3f}" for op, b in row["comm_bytes_per_step"].items()) or "-"]
+                     ", ".join(_op_bytes(op, b) for op, b in row["comm_bytes_per_step"].items()) or "-"]
             if not deterministic:
                 cells += [f"{sum(row['collectives_per_step'].values()):.1f}",
                           f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
@@ -77,6 +83,7 @@ class Comparison:
     def figure(self) -> go.Figure:
         fig = make_subplots(rows=1, cols=3, subplot_titles=(
             "model state per rank (ledger, MiB)", "collective latency by op (ms)", "loss, rank 0"))
+        curves: list[tuple[str, list]] = []  # earlier runs' loss curves, to say when one coincides
         for i, (run, row) in enumerate(zip(self.runs, self.rows)):
             color = f"hsl({(i * 137) % 360},60%,50%)"
             fig.add_trace(go.Bar(x=[f"rank {r}" for r in row["model_state_bytes"]],
@@ -86,9 +93,20 @@ class Comparison:
             fig.add_trace(go.Box(x=[c.op for c in comms], y=[c.seconds * 1e3 for c in comms], name=row["name"],
                                  marker_color=color, legendgroup=row["name"], showlegend=False), 1, 2)
             loss = [s for s in run.scalars if s.rank == 0 and "loss" in s.values]
-            fig.add_trace(go.Scatter(x=[s.step for s in loss], y=[s.values["loss"] for s in loss],
-                                     mode="lines", name=row["name"], line_color=color,
-                                     legendgroup=row["name"], showlegend=False), 1, 3)
-        fig.update_layout(barmode="group", boxmode="group", height=400, margin=dict(t=50, l=40, r=20, b=40))
+            ys = [s.values["loss"] for s in loss]
+            same = next((name for name, other in curves if _same_curve(ys, other)), None)
+            curves.append((row["name"], ys))
+            # identical curves would hide each other: dashes differ, and the legend says they coincide
+            label = f"{row['name']} (loss = {same})" if same else row["name"]
+            fig.add_trace(go.Scatter(x=[s.step for s in loss], y=ys, mode="lines", name=label,
+                                     line=dict(color=color, dash=DASHES[i % len(DASHES)], width=2 + (i == 0)),
+                                     legendgroup=row["name"], showlegend=bool(same)), 1, 3)
+        fig.update_layout(barmode="group", boxmode="group", height=420, margin=dict(t=50, l=40, r=20, b=40),
+                          font_size=11, legend_font_size=11)
+        fig.update_annotations(font_size=12)
         fig.update_yaxes(type="log", row=1, col=2)
         return fig
+
+
+def _same_curve(a: list, b: list, rel: float = 1e-6) -> bool:
+    return bool(a) and len(a) == len(b) and all(abs(x - y) <= rel * max(abs(x), abs(y), 1e-12) for x, y in zip(a, b))

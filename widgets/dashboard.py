@@ -2,9 +2,12 @@
 
 Consumes RunRecords only. One plotly FigureWidget with six panels (a
 seventh, the pipeline bubble per stage, for pp runs) whose
-traces are created once and mutated in place (``batch_update`` inside the
-container's ``hold_sync``: one message per refresh); the caller throttles
-refreshes. ``static()`` gives a plain Figure copy to leave in the notebook.
+traces are created once and mutated in place inside plotly's
+``batch_update()``: one update message per refresh. Never inside ipywidgets'
+``hold_sync()``: plotly sends an update by setting ``_py2js_update`` and then
+resetting it, and ``hold_sync`` would send only the reset, so the browser
+would see nothing. The caller throttles refreshes. ``static()`` gives a plain
+Figure copy to leave in the notebook.
 """
 from __future__ import annotations
 
@@ -21,12 +24,15 @@ from nbtool.metrics import LEDGER_CATEGORIES, RunRecords
 
 MIB = 2**20
 COLORS = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880"]
+# short titles: three panels share JupyterLab's default notebook width (~900 px)
 PANELS = (
-    "model state per rank (ledger, MiB)", "process RSS per rank (OS, MiB)", "loss (strategy.log)",
-    "collective latency (ms)", "bus bandwidth vs size (GB/s)", "per step, rank 0: comm vs other (ms)",
+    "model state (ledger, MiB)", "process RSS (OS, MiB)", "loss (strategy.log)",
+    "latency (ms): all_reduce", "bus bandwidth (GB/s) vs S", "rank 0 per step: comm, other (ms)",
 )
+LATENCY_PANEL = 3
 
-PIPELINE_PANEL = "pipeline: per step, each stage's compute vs bubble over the step's span (ms)"
+PIPELINE_PANEL = "pipeline: each stage's compute vs bubble per step (ms)"
+TITLE_WRAP = 110  # characters per line of the static copy's title
 
 
 class Dashboard:
@@ -39,8 +45,8 @@ class Dashboard:
         rows = 3 if pipeline else 2
         specs = [[{}, {}, {}]] * 2 + ([[{"colspan": 3}, None, None]] if pipeline else [])
         titles = PANELS + ((PIPELINE_PANEL,) if pipeline else ())
-        fig = make_subplots(rows=rows, cols=3, specs=specs, subplot_titles=titles, horizontal_spacing=0.07,
-                            vertical_spacing=0.1 if pipeline else 0.16)
+        fig = make_subplots(rows=rows, cols=3, specs=specs, subplot_titles=titles, horizontal_spacing=0.08,
+                            vertical_spacing=0.14 if pipeline else 0.2)
         ranks = [f"rank {r}" for r in range(world_size)]
         for i, cat in enumerate(LEDGER_CATEGORIES):
             fig.add_trace(go.Bar(x=ranks, y=[0] * world_size, name=cat, marker_color=COLORS[i],
@@ -56,17 +62,20 @@ class Dashboard:
         for i, op in enumerate(OPS[:-1]):
             fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=op, marker_symbol="diamond",
                                      marker_color=COLORS[i % len(COLORS)], legendgroup="ops"), 2, 2)
-        fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#ef553b", showlegend=False), 2, 3)
-        fig.add_trace(go.Bar(x=[], y=[], name="other (compute, data, optimizer)", marker_color="#636efa",
-                             showlegend=False), 2, 3)
+        fig.add_trace(go.Bar(x=[], y=[], name="step: comm", marker_color="#333333", legendgroup="step"), 2, 3)
+        fig.add_trace(go.Bar(x=[], y=[], name="step: other (compute, data, optimizer)", marker_color="#c8c8c8",
+                             legendgroup="step"), 2, 3)
         self._step_traces = (len(fig.data) - 2, len(fig.data) - 1)
         if pipeline:
             stages = [f"rank {r}" for r in range(world_size)]
             fig.add_trace(go.Bar(x=stages, y=[0] * world_size, name="stage compute", marker_color="#00cc96"), 3, 1)
             fig.add_trace(go.Bar(x=stages, y=[0] * world_size, name="bubble (idle, send/recv)",
                                  marker_color="#d3d3d3"), 3, 1)
-        fig.update_layout(barmode="stack", height=620 + (260 if pipeline else 0), margin=dict(t=60, l=40, r=20, b=40),
-                          title=title, legend=dict(orientation="h", y=-0.08))
+        fig.update_layout(barmode="stack", height=640 + (260 if pipeline else 0),
+                          margin=dict(t=70, l=45, r=15, b=40), title=dict(text=title, font_size=13),
+                          legend=dict(orientation="h", y=-0.12, font_size=11), font_size=11)
+        fig.update_annotations(font_size=12)  # the subplot titles
+        fig.update_xaxes(title_font_size=10, title_standoff=2)
         fig.update_xaxes(type="log", title_text="S (bytes)", row=2, col=2)
         fig.update_xaxes(title_text="s since start", row=1, col=2)
         fig.update_xaxes(title_text="step", row=1, col=3)
@@ -75,7 +84,7 @@ class Dashboard:
         self.fig = go.FigureWidget(fig)
         self.op = W.Dropdown(options=list(OPS[:-1]), value="all_reduce", description="latency op",
                              layout=W.Layout(width="240px"))
-        self.status = W.HTML()
+        self.status = W.HTML(layout=W.Layout(flex="1 1 auto"))
         self.widget = W.VBox([W.HBox([self.op, self.status]), self.fig])
         self._run: RunRecords | None = None
         self._op_chosen = False  # once the user picks an op, keep it
@@ -109,8 +118,7 @@ class Dashboard:
         op = self.op.value
         steps = run_analysis.step_table(run, 0)
         spread = run_analysis.straggler_spread(run)
-        # hold_sync on the figure too: batch_update alone still sends one message per changed property
-        with self.widget.hold_sync(), self.fig.hold_sync(), self.fig.batch_update():
+        with self.fig.batch_update():  # one plotly update message (see the module docstring)
             for i, cat in enumerate(LEDGER_CATEGORIES):
                 traces[i].y = [ledgers[r][cat] / MIB for r in range(n)]
             for r in range(n):
@@ -134,8 +142,8 @@ class Dashboard:
             other.y = [s["compute_s"] * 1e3 for s in steps]
             if self.pipeline:
                 self._refresh_bubble(run)
-            self.fig.layout.annotations[3].text = f"collective latency (ms): {op}"
-            self.status.value = self._status_html(run, spread)
+            self.fig.layout.annotations[LATENCY_PANEL].text = f"latency (ms): {op}"
+        self.status.value = self._status_html(run, spread)
         self.refreshes += 1
         return True
 
@@ -177,10 +185,31 @@ class Dashboard:
             parts.append(f"latency clock: {', '.join(clocks)}")
         return " · ".join(parts)
 
-    def static(self) -> go.Figure:
-        """A plain Figure with the current data (for a static copy in the notebook)."""
-        return go.Figure(self.fig)
+    def static(self, run: RunRecords | None = None) -> go.Figure:
+        """A plain Figure with the current data (for a static copy in the notebook).
+
+        With ``run``, the title carries the status line, wrapped so that it
+        fits the figure's width.
+        """
+        fig = go.Figure(self.fig)
+        if run is not None:
+            title = wrap_title(f"{run.name}: {self.status_text(run)}")
+            fig.update_layout(title=dict(text=title, font_size=12, y=0.99, yanchor="top"),
+                              margin_t=50 + 16 * title.count("<br>"))
+        return fig
 
     def close(self) -> None:
         self.widget.close()
         self.fig.close()
+
+
+def wrap_title(text: str, width: int = TITLE_WRAP) -> str:
+    """``text`` broken at " · " separators (or spaces) into lines of at most ``width`` characters."""
+    lines, line = [], ""
+    for part in text.replace(" · ", " ·\0").split("\0"):
+        if line and len(line) + len(part) > width:
+            lines.append(line.rstrip())
+            line = ""
+        line += part
+    lines.append(line)
+    return "<br>".join(html.escape(x) for x in lines)

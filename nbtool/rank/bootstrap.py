@@ -98,7 +98,7 @@ def init_rank(
     return rank_info()
 
 
-def close_process_group() -> str:
+def close_process_group(peer_fds: list[int] = ()) -> str:
     """Tear down this rank's process group so peers blocked in a collective with it fail at once.
 
     Used by the kernel to release ranks stuck in a collective that an
@@ -107,11 +107,50 @@ def close_process_group() -> str:
     groups): the cluster needs ``%cluster restart`` for further collectives.
     """
     import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
 
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-        return "closed"
-    return "not initialised"
+    if not (dist.is_available() and dist.is_initialized()):
+        return "not initialised"
+    # destroy_process_group only drops torch's own references: a DDP model, a
+    # DeviceMesh or DeepSpeed still holding a group keeps its sockets open and
+    # the peer stays blocked. Aborting each backend closes them whoever holds it.
+    for pg in list(c10d._world.pg_map):
+        for device in (torch_device("cpu"), torch_device("cuda")):
+            try:
+                pg._get_backend(device).abort()
+            except Exception:  # no backend for that device type, or already closed
+                pass
+    dist.destroy_process_group()
+    _shutdown_sockets(peer_fds)
+    return "closed"
+
+
+def torch_device(kind: str):
+    import torch
+
+    return torch.device(kind)
+
+
+def _shutdown_sockets(fds) -> None:
+    """shutdown() the given TCP sockets (the kernel found them connected to peer ranks).
+
+    shutdown acts on the connection, not the descriptor, so it reaches the
+    peer (end-of-file) even though gloo keeps its own descriptor open.
+    """
+    import os
+    import socket
+
+    for fd in fds:
+        try:
+            s = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue
+        try:
+            s.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        finally:
+            s.close()
 
 
 def _install_namespace(rank: int, world_size: int, device) -> None:

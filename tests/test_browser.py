@@ -1,0 +1,216 @@
+"""nbtool's notebook UI in a real browser: JupyterLab in Debian's Chromium, asserting on the page's DOM.
+
+What the user sees is read from the page (plotly's graph divs' ``data``,
+cell text, output text), never from Python-side widget state, which looked
+right while the browser showed nothing. One JupyterLab server and one browser
+for the module; screenshots of failed checks go to ``out/browser/``.
+"""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import browser
+from browser import Lab, notebook
+
+pytestmark = pytest.mark.slow
+ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "browser"
+
+SETUP = "%load_ext nbtool\n%cluster start -n 2"
+DATA = """%%distributed --quiet
+import time
+from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+data = SyntheticTokens(samples=2048, seq=16, vocab=256)"""
+# slow enough (~0.25 s a step) that the page can be read several times mid-run
+TRAIN = """%%distributed ddp
+model = TinyTransformer(vocab=256, dim=64, heads=4, layers=2)
+optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+model, optimizer = strategy.prepare(model, optimizer)
+for step, (x, y) in enumerate(strategy.dataloader(data, batch_size=8)):
+    loss = lm_loss(model(x), y)
+    strategy.backward(loss)
+    optimizer.step(); optimizer.zero_grad()
+    strategy.log(loss=loss)
+    time.sleep(0.25)
+    if step == 59:
+        break"""
+# rank 0 sleeps in Python (an interrupt stops it), rank 1 waits in gloo's all_reduce (native code)
+BLOCKED = """%%distributed
+import time
+if rank == 0:
+    time.sleep(120)
+dist.all_reduce(torch.ones(1))"""
+COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
+PLAN = "%load_ext nbtool\n%dist_plan --model 7b --hardware a100-40gb"
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    why = browser.missing()
+    if why:
+        pytest.fail(why)  # a missing browser is a broken set-up, not a reason to skip
+    lab = Lab(tmp_path_factory.mktemp("lab"), ARTIFACTS)
+    try:
+        yield lab
+    finally:
+        try:
+            lab.api("sessions")  # shut every kernel down (their clusters stop with them)
+            for s in lab.api("sessions"):
+                lab.api(f"sessions/{s['id']}", method="DELETE")
+        except Exception:
+            pass
+        lab.close()
+
+
+@pytest.fixture
+def page(lab, request):
+    """The module's Lab; a screenshot of the page when the test fails (conftest keeps the report)."""
+    yield lab
+    rep = getattr(request.node, "rep_call", None)
+    if rep is not None and rep.failed:
+        lab.screenshot(f"failed_{request.node.name}")
+
+
+def test_live_dashboard_static_copies_interrupt_save_and_export(page):
+    lab = page
+    lab.write("live.ipynb", notebook(SETUP, DATA, TRAIN, "%cluster status", BLOCKED, "%cluster restart",
+                                     COMMBENCH))
+    lab.open("live.ipynb")
+    lab.run_and_wait(0, 120)
+    assert "ready: 2 rank(s), backend gloo" in lab.output_text(0)
+    lab.run_and_wait(1, 60)
+
+    # the live dashboard gains points while the ranks train: read the page's plots mid-run
+    lab.run(2)
+    lab.wait(lambda: lab.plots(2), 60, "the live dashboard did not appear")
+    counts = []
+    for _ in range(3):
+        time.sleep(2.5)
+        if lab.busy():
+            counts.append(sum(lab.plots(2)[0]))
+    assert len(counts) >= 2 and counts[-1] > counts[0] > 0, counts
+    lab.wait_idle(120)
+
+    # when the cell ends the widget's output is replaced in place by a static copy (no widget left)
+    assert lab.js("return document.querySelectorAll('.jp-Cell')[2]"
+                  ".querySelectorAll('.jupyter-widgets, .widget-dropdown').length") == 0
+    final = lab.plots(2)
+    assert len(final) == 1 and sum(final[0]) >= counts[-1]
+    title = lab.js("return document.querySelectorAll('.jp-Cell')[2].querySelector('.gtitle').textContent")
+    assert "ddp:" in title and "optimizer steps" in title
+
+    # %cluster status: a table whose caption is left-aligned
+    lab.run_and_wait(3, 30)
+    align = lab.js("const c = document.querySelectorAll('.jp-Cell')[3].querySelector('caption');"
+                   "return c ? getComputedStyle(c).textAlign : null")
+    assert align == "left"
+
+    # interrupt from the toolbar with rank 0 sleeping and rank 1 blocked in an all_reduce
+    lab.run(4)
+    lab.wait(lambda: lab.busy(), 10, "the blocked cell did not start")
+    time.sleep(3)
+    t0 = time.monotonic()
+    lab.driver.find_element("css selector", "jp-button[data-command='notebook:interrupt-kernel'], "
+                            "button[data-command='notebook:interrupt-kernel']").click()
+    lab.wait_idle(30)
+    took = time.monotonic() - t0
+    out = lab.output_text(4)
+    assert "rank 1 was released by closing the process group on rank 0" in out, out
+    assert "restarted" not in out and took < 10, (took, out)
+    lab.run_and_wait(5, 120)
+
+    # %commbench: live plot, then its static figure in place
+    lab.run_and_wait(6, 120)
+    assert lab.js("return document.querySelectorAll('.jp-Cell')[6].querySelectorAll('.jupyter-widgets').length") == 0
+    bench = lab.plots(6)
+    assert len(bench) == 1 and bench[0] and all(n == 8 for n in bench[0]), bench  # 4 B to 64 KiB by 4: 8 sizes
+
+    errors = [e for e in lab.console_errors() if "favicon" not in e]
+    assert not errors, errors
+
+    # save, reopen: no dead widget, every static figure renders from the saved file alone
+    lab.save()
+    lab.wait(lambda: not lab.js("return document.querySelector('.jp-mod-dirty')"), 15, "the notebook did not save")
+    saved = lab.saved("live.ipynb")
+    mimes = [m for c in saved["cells"] for o in c.get("outputs", []) for m in o.get("data", {})]
+    assert "application/vnd.jupyter.widget-view+json" not in mimes
+    assert mimes.count("image/png") == 2 and mimes.count("application/vnd.plotly.v1+json") == 2
+    for s in lab.api("sessions"):  # reopen without a kernel that knows any widget
+        lab.api(f"sessions/{s['id']}", method="DELETE")
+    lab.driver.refresh()
+    # plotly's renderer shows the stored PNG, and the interactive plot once the mouse enters it
+    shown = ("return Array.from(document.querySelectorAll('.jp-RenderedPlotly img.plot-img'))"
+             ".filter(i => i.complete && i.naturalWidth > 400 && i.offsetParent).length")
+    lab.wait(lambda: lab.js(shown) == 2, 60, "static figures did not render after reopening")
+    page = lab.js("return document.querySelector('.jp-Notebook').innerText")
+    assert "Error displaying widget" not in page
+    from selenium.webdriver.common.action_chains import ActionChains
+
+    img = lab.driver.find_elements("css selector", ".jp-RenderedPlotly img.plot-img")[0]
+    lab.js("arguments[0].scrollIntoView({block: 'center'})", img)
+    ActionChains(lab.driver).move_to_element(img).perform()
+    lab.wait(lambda: lab.plots() and sum(lab.plots()[0]) > 0, 20, "the reopened figure did not become interactive")
+
+    # HTML exports, plain and sanitized (JupyterLab's default export), opened in the browser
+    for sanitize in (False, True):
+        html = _export(lab.root / "live.ipynb", sanitize)
+        lab.driver.get(html.as_uri())
+        imgs = lab.js("return Array.from(document.querySelectorAll('img'))"
+                      ".filter(i => i.complete && i.naturalWidth > 400).length")
+        assert imgs == 2, (sanitize, imgs)
+        text = lab.js("return document.body.innerText")
+        assert "VBox(" not in text and "Plotly is not defined" not in text and "!function" not in text
+
+
+def _export(path: Path, sanitize: bool) -> Path:
+    out = path.with_name(f"{path.stem}-{'sanitized' if sanitize else 'plain'}.html")
+    cmd = [sys.executable, "-m", "nbconvert", "--to", "html", str(path), "--output", out.stem,
+           "--output-dir", str(path.parent)]
+    if sanitize:
+        cmd.append("--HTMLExporter.sanitize_html=True")
+    subprocess.run(cmd, check=True, capture_output=True, timeout=120)
+    return out
+
+
+def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
+    lab = page
+    lab.write("plan.ipynb", notebook(PLAN, "1 + 1"))
+    lab.open("plan.ipynb")
+    lab.run_and_wait(0, 60)
+    lab.wait(lambda: lab.plots(0) and sum(lab.plots(0)[0]) > 0, 20, "the picker chart has no bars")
+    bars = lab.plot_y(0)
+    assert len(bars[0]) >= 8  # one bar per layout, each category stacked
+
+    # change an input in the page: the chart follows
+    lab.set_select(0, "checkpointing", "full")
+    lab.wait(lambda: lab.plot_y(0) != bars, 10, "the chart did not change after an input changed")
+
+    # the inputs are not clipped: no horizontal scrollbar in the output, labels whole
+    assert lab.js("const o = document.querySelectorAll('.jp-Cell')[0].querySelector('.jp-OutputArea-output');"
+                  "return o.scrollWidth <= o.clientWidth + 1")
+    labels = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0]"
+                    ".querySelectorAll('.widget-label')).filter(l => l.offsetParent)"
+                    ".map(l => l.scrollWidth <= l.clientWidth + 1)")
+    assert labels and all(labels)
+    assert "params (B)" not in lab.output_text(0)  # only shown for a custom model
+
+    # Apply: a new cell right below the picker holds exactly the chosen line, within 2 s
+    n = len(lab.cells())
+    chosen = lab.selected(0, "run")
+    line = chosen[chosen.index("%%distributed"):]
+    button = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0].querySelectorAll('button'))"
+                    ".find(b => b.innerText.startsWith('Apply'))")
+    t0 = time.monotonic()
+    button.click()  # a real click: it makes the picker's cell the active one, as for a user
+    lab.wait(lambda: len(lab.cells()) == n + 1, 2.0, "Apply did not insert a cell within 2 s")
+    assert time.monotonic() - t0 <= 2.0
+    assert lab.cell_text(1).splitlines()[0] == line
+    assert "Inserted a new cell below" in lab.output_text(0)
+    errors = [e for e in lab.console_errors() if "favicon" not in e]
+    assert not errors, errors
+
+
