@@ -82,11 +82,17 @@ class Lab:
             opts.binary_location = CHROMIUM
             for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                          "--no-first-run", "--disable-background-networking", "--disable-component-update",
-                         "--disable-sync", f"--window-size={width},{height}"):
+                         "--disable-sync", f"--window-size={width},{height}",
+                         # resolve no host but loopback: exported pages name CDNs; nothing may leave the machine
+                         "--host-resolver-rules=MAP * ~NOTFOUND , EXCLUDE 127.0.0.1"):
                 opts.add_argument(flag)
             opts.set_capability("goog:loggingPrefs", {"browser": "ALL"})
             self.driver = webdriver.Chrome(options=opts, service=Service(DRIVER))
             self.driver.set_script_timeout(30)
+            # keep the reasons of unhandled promise rejections (the console only says "Uncaught (in promise)")
+            self.driver.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": (
+                "window.__rejections = []; window.addEventListener('unhandledrejection', e => "
+                "window.__rejections.push(String((e.reason && (e.reason.stack || e.reason.message)) || e.reason)));")})
         except BaseException:
             self.close()
             raise
@@ -121,7 +127,9 @@ class Lab:
 
     # -- the page -----------------------------------------------------------------
     def open(self, name: str, timeout: float = 90.0) -> None:
-        self.driver.get(f"{self.url}/lab/tree/{name}?token={self.token}")
+        # a workspace of its own: only this notebook open, whatever earlier tests opened
+        ws = "".join(ch for ch in name if ch.isalnum())
+        self.driver.get(f"{self.url}/lab/workspaces/{ws}/tree/{name}?token={self.token}")
         self.wait(lambda: self.cells() and self.cells()[0].find_element("css selector", ".cm-content").is_displayed(),
                   timeout, f"notebook {name} did not open")
         # the status bar says "Python 3 (ipykernel) | Idle" once the kernel is up
@@ -168,12 +176,20 @@ class Lab:
         editor.send_keys(Keys.ESCAPE)
 
     def run(self, i: int) -> None:
-        """Run cell i as a user does: select it, Shift+Enter."""
+        """Run cell i as a user does: select it, Shift+Enter (again if the page did not take the keys)."""
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.keys import Keys
 
-        self.select(i)
-        ActionChains(self.driver).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
+        before = self.prompt(i)
+        for _ in range(3):
+            self.select(i)
+            ActionChains(self.driver).key_down(Keys.SHIFT).send_keys(Keys.ENTER).key_up(Keys.SHIFT).perform()
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline:
+                if self.prompt(i) != before:  # "[*]:" at once when queued, or a new count
+                    return
+                time.sleep(0.1)
+        raise AssertionError(f"cell {i} did not start: its prompt stayed {before!r}")
 
     def prompt(self, i: int) -> str:
         """Cell i's input prompt: "[ ]:", "[*]:" while it runs, "[7]:" once done."""
@@ -226,7 +242,9 @@ class Lab:
         Select(self._dropdown(i, label)).select_by_visible_text(text)
 
     def console_errors(self) -> list[str]:
-        return [e["message"] for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
+        """Severe console messages, with the reasons of unhandled promise rejections."""
+        errors = [e["message"] for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
+        return errors + [f"rejection: {r}" for r in self.js("return window.__rejections || []")]
 
     def save(self) -> None:
         from selenium.webdriver.common.action_chains import ActionChains
@@ -240,6 +258,15 @@ class Lab:
         name = "".join(ch if ch.isalnum() else "_" for ch in what)[:60]
         try:
             self.driver.save_screenshot(str(self.artifacts / f"{name}.png"))
+        except Exception:
+            pass
+
+    def shot_output(self, i: int, name: str) -> None:
+        """A picture of cell i's output area (kept with the test log, to look at what users see)."""
+        try:
+            out = self.cells()[i].find_element("css selector", ".jp-Cell-outputWrapper")
+            self.js("arguments[0].scrollIntoView({block: 'start'})", out)
+            out.screenshot(str(self.artifacts / f"{name}.png"))
         except Exception:
             pass
 

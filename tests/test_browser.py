@@ -44,6 +44,7 @@ import time
 if rank == 0:
     time.sleep(120)
 dist.all_reduce(torch.ones(1))"""
+COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp").replace("step == 59", "step == 19")
 COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
 PLAN = "%load_ext nbtool\n%dist_plan --model 7b --hardware a100-40gb"
 
@@ -78,7 +79,7 @@ def page(lab, request):
 def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     lab = page
     lab.write("live.ipynb", notebook(SETUP, DATA, TRAIN, "%cluster status", BLOCKED, "%cluster restart",
-                                     COMMBENCH))
+                                     COMMBENCH, DATA, COMPARE))
     lab.open("live.ipynb")
     lab.run_and_wait(0, 120)
     assert "ready: 2 rank(s), backend gloo" in lab.output_text(0)
@@ -93,7 +94,9 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
         if lab.busy():
             counts.append(sum(lab.plots(2)[0]))
     assert len(counts) >= 2 and counts[-1] > counts[0] > 0, counts
+    lab.shot_output(2, "dashboard_live")
     lab.wait_idle(120)
+    lab.shot_output(2, "dashboard_static")
 
     # when the cell ends the widget's output is replaced in place by a static copy (no widget left)
     assert lab.js("return document.querySelectorAll('.jp-Cell')[2]"
@@ -126,8 +129,18 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     # %commbench: live plot, then its static figure in place
     lab.run_and_wait(6, 120)
     assert lab.js("return document.querySelectorAll('.jp-Cell')[6].querySelectorAll('.jupyter-widgets').length") == 0
+    lab.shot_output(6, "commbench")
     bench = lab.plots(6)
     assert len(bench) == 1 and bench[0] and all(n == 8 for n in bench[0]), bench  # 4 B to 64 KiB by 4: 8 sizes
+
+    # %%distributed compare: a live dashboard while each run trains, then static copies and the comparison
+    lab.run_and_wait(7, 30)
+    lab.run(8)
+    lab.wait(lambda: lab.js("return document.querySelectorAll('.jp-Cell')[8].querySelectorAll('.jupyter-widgets')"
+                            ".length") > 0 and lab.plots(8), 60, "compare showed no live dashboard")
+    lab.wait_idle(180)
+    assert len(lab.plots(8)) == 3  # each run's static copy, then the comparison's figure
+    assert "fsdp" in lab.output_text(8) and "vs first" in lab.output_text(8)
 
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
@@ -138,14 +151,15 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     saved = lab.saved("live.ipynb")
     mimes = [m for c in saved["cells"] for o in c.get("outputs", []) for m in o.get("data", {})]
     assert "application/vnd.jupyter.widget-view+json" not in mimes
-    assert mimes.count("image/png") == 2 and mimes.count("application/vnd.plotly.v1+json") == 2
+    # five figures, each with the PNG the page's plotly renderer stored next to it
+    assert mimes.count("image/png") == mimes.count("application/vnd.plotly.v1+json") == 5, mimes
     for s in lab.api("sessions"):  # reopen without a kernel that knows any widget
         lab.api(f"sessions/{s['id']}", method="DELETE")
     lab.driver.refresh()
     # plotly's renderer shows the stored PNG, and the interactive plot once the mouse enters it
     shown = ("return Array.from(document.querySelectorAll('.jp-RenderedPlotly img.plot-img'))"
              ".filter(i => i.complete && i.naturalWidth > 400 && i.offsetParent).length")
-    lab.wait(lambda: lab.js(shown) == 2, 60, "static figures did not render after reopening")
+    lab.wait(lambda: lab.js(shown) == 5, 60, "static figures did not render after reopening")
     page = lab.js("return document.querySelector('.jp-Notebook').innerText")
     assert "Error displaying widget" not in page
     from selenium.webdriver.common.action_chains import ActionChains
@@ -161,9 +175,10 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
         lab.driver.get(html.as_uri())
         imgs = lab.js("return Array.from(document.querySelectorAll('img'))"
                       ".filter(i => i.complete && i.naturalWidth > 400).length")
-        assert imgs == 2, (sanitize, imgs)
+        assert imgs == 5, (sanitize, imgs)
         text = lab.js("return document.body.innerText")
         assert "VBox(" not in text and "Plotly is not defined" not in text and "!function" not in text
+    lab.console_errors()  # drop the exported pages' messages (nbconvert's template names CDN scripts)
 
 
 def _export(path: Path, sanitize: bool) -> Path:
@@ -185,6 +200,7 @@ def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
     bars = lab.plot_y(0)
     assert len(bars[0]) >= 8  # one bar per layout, each category stacked
 
+    lab.shot_output(0, "picker")
     # change an input in the page: the chart follows
     lab.set_select(0, "checkpointing", "full")
     lab.wait(lambda: lab.plot_y(0) != bars, 10, "the chart did not change after an input changed")

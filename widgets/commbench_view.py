@@ -11,9 +11,9 @@ from plotly.subplots import make_subplots
 
 from nbtool.collectives import bandwidths
 from nbtool.commbench import BENCH_OPS
-from nbtool.metrics import format_bytes
 
-COLORS = ("#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880")
+from .style import COLORS, bytes_ticks
+
 DASHES = ("solid", "dash", "dot", "dashdot")
 
 
@@ -21,20 +21,10 @@ def op_color(op: str) -> str:
     return COLORS[BENCH_OPS.index(op) % len(COLORS)] if op in BENCH_OPS else COLORS[-1]
 
 
-def bytes_ticks(lo: float = 1, hi: float = 2**30) -> tuple[list[int], list[str]]:
-    """Tick values at powers of 16 covering [lo, hi], labelled in binary units."""
-    vals, v = [], 1
-    while v <= max(hi, 1) * 16:
-        if v * 16 >= lo:
-            vals.append(v)
-        v *= 16
-    return vals, [format_bytes(x).replace(".00 ", " ").replace(".0 ", " ") for x in vals]
-
-
 def _axes(fig: go.Figure, sizes: list[int]) -> None:
     vals, text = bytes_ticks(min(sizes, default=1), max(sizes, default=2**26))
     fig.update_xaxes(type="log", title_text="S (bytes)", tickvals=vals, ticktext=text, minor_showgrid=False)
-    fig.update_yaxes(type="log", dtick=1, row=1, col=1)  # decades only: no "2 5" minor labels
+    fig.update_yaxes(type="log", row=1, col=1)
     fig.update_layout(height=380, margin=dict(t=40, l=50, r=20, b=40), legend_font_size=11)
     fig.update_annotations(font_size=12)
 

@@ -22,8 +22,9 @@ from nbtool import run_analysis
 from nbtool.collectives import OPS
 from nbtool.metrics import LEDGER_CATEGORIES, RunRecords
 
+from .style import COLORS, bytes_ticks
+
 MIB = 2**20
-COLORS = ["#636efa", "#ef553b", "#00cc96", "#ab63fa", "#ffa15a", "#19d3f3", "#ff6692", "#b6e880"]
 # short titles: three panels share JupyterLab's default notebook width (~900 px)
 PANELS = (
     "model state (ledger, MiB)", "process RSS (OS, MiB)", "loss (strategy.log)",
@@ -73,10 +74,11 @@ class Dashboard:
                                  marker_color="#d3d3d3"), 3, 1)
         fig.update_layout(barmode="stack", height=640 + (260 if pipeline else 0),
                           margin=dict(t=70, l=45, r=15, b=40), title=dict(text=title, font_size=13),
-                          legend=dict(orientation="h", y=-0.12, font_size=11), font_size=11)
+                          legend=dict(orientation="h", y=-0.12, font_size=11, traceorder="normal"), font_size=11)
         fig.update_annotations(font_size=12)  # the subplot titles
         fig.update_xaxes(title_font_size=10, title_standoff=2)
-        fig.update_xaxes(type="log", title_text="S (bytes)", row=2, col=2)
+        vals, text = bytes_ticks(1, 2**32)
+        fig.update_xaxes(type="log", title_text="S (bytes)", tickvals=vals, ticktext=text, row=2, col=2)
         fig.update_xaxes(title_text="s since start", row=1, col=2)
         fig.update_xaxes(title_text="step", row=1, col=3)
         fig.update_xaxes(title_text="s since start", row=2, col=1)
@@ -194,8 +196,8 @@ class Dashboard:
         fig = go.Figure(self.fig)
         if run is not None:
             title = wrap_title(f"{run.name}: {self.status_text(run)}")
-            fig.update_layout(title=dict(text=title, font_size=12, y=0.99, yanchor="top"),
-                              margin_t=50 + 16 * title.count("<br>"))
+            fig.update_layout(title=dict(text=title, font_size=12, yref="container", y=1, yanchor="top",
+                                         pad_t=12), margin_t=60 + 16 * title.count("<br>"))
         return fig
 
     def close(self) -> None:

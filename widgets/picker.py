@@ -69,8 +69,8 @@ class Picker:
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"usable ({1 - RESERVE:.0%} of device)",
                                  line=dict(color="black", dash="dash")), 1, 1)
         fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#19d3f3", showlegend=False), 1, 2)
-        fig.update_layout(barmode="stack", height=430, margin=dict(t=40, l=40, r=10, b=130), font_size=11,
-                          legend=dict(orientation="h", y=1.12, font_size=10))
+        fig.update_layout(barmode="stack", height=460, margin=dict(t=80, l=40, r=10, b=130), font_size=11,
+                          legend=dict(orientation="h", yanchor="bottom", y=1.1, x=0, font_size=10))
         fig.update_annotations(font_size=12)
         fig.update_xaxes(tickangle=-40, tickfont_size=10)
         self.fig = go.FigureWidget(fig)
