@@ -27,6 +27,9 @@ def unload_ipython_extension(ipython):
         _magics.rank_cluster.stop()
         _magics.rank_cluster = None
     _magics = None
+    from .widgets.figures import _close_retired
+
+    _close_retired(everything=True)
 
 
 def current_cluster():

@@ -122,8 +122,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
         if dash is not None:
             from .widgets.figures import replace_live
 
-            replace_live(dash_id)
-            dash.close()
+            replace_live(dash_id, retire=dash)
         raise
     live = _LiveRecords(run, dash)
     finished = None
@@ -147,8 +146,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
             from .widgets.figures import replace_live
 
             dash.refresh(run, force=True)
-            replace_live(dash_id, dash.static(run))
-            dash.close()
+            replace_live(dash_id, dash.static(run), retire=dash)
     if not quiet and finished is not None and finished[0]["summary"]:
         print(finished[0]["summary"])
         if export_config:
@@ -280,16 +278,14 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
         if plot is not None:
             from .widgets.figures import replace_live
 
-            replace_live(plot_id)
-            plot.close()
+            replace_live(plot_id, retire=plot)
         raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
     if plot is not None:  # the live plot's output becomes the result's static figure, in place
         from .widgets.figures import replace_live
 
-        replace_live(plot_id, result.figure())
-        plot.close()
+        replace_live(plot_id, result.figure(), retire=plot)
     COMMBENCH[:] = [result]
     if result.wrong:
         print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "

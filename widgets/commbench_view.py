@@ -52,7 +52,9 @@ class SweepPlot:
                 self.fig.data[2 * i + 1].y = [bandwidths(op, r["size_bytes"], n, r["seconds"])[1] / 1e9 for r in pts]
 
     def close(self) -> None:
-        self.fig.close()
+        from .figures import release_figure
+
+        release_figure(self.fig)
 
 
 def result_figure(*results) -> go.Figure:

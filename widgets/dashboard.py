@@ -201,8 +201,11 @@ class Dashboard:
         return fig
 
     def close(self) -> None:
-        self.widget.close()
-        self.fig.close()
+        from .figures import release_figure
+
+        for w in (self.widget, self.widget.children[0], self.op, self.status):
+            w.close()
+        release_figure(self.fig)
 
 
 def wrap_title(text: str, width: int = TITLE_WRAP) -> str:

@@ -28,6 +28,7 @@ import atexit
 import base64
 import itertools
 import threading
+import time
 
 from IPython.display import display, update_display
 
@@ -111,16 +112,58 @@ def show_figure(fig) -> None:
     display(figure_bundle(fig), raw=True)
 
 
+_retired: list = []  # (time retired, object with close()) of replaced live widgets
+RETIRE_S = 5.0
+
+
 def show_live(widget) -> str:
     """Display a live widget under a fresh display id (for ``replace_live``)."""
+    _close_retired()
     did = f"nbtool-live-{next(_ids)}"
     display(widget, display_id=did)
     return did
 
 
-def replace_live(display_id: str, fig=None) -> None:
-    """Replace the live widget's output in place: by ``fig``'s static copy, or by nothing."""
+def replace_live(display_id: str, fig=None, retire=None) -> None:
+    """Replace the live widget's output in place: by ``fig``'s static copy, or by nothing.
+
+    ``retire`` (the live view, anything with ``close()``) is closed a few
+    seconds later, not now: the page may still send a message for a widget
+    whose view it is removing, and a comm closed under it shows "Syncing error:
+    no comm channel defined" in the browser's console.
+    """
     if fig is None:
         update_display({"text/plain": ""}, raw=True, display_id=display_id)
     else:
         update_display(figure_bundle(fig), raw=True, display_id=display_id)
+    if retire is not None:
+        _retired.append((time.monotonic(), retire))
+
+
+def release_figure(fig) -> None:
+    """Let go of a FigureWidget whose view is gone: empty its traces, but leave its comm open.
+
+    Closing it is not safe: plotly.js keeps a window-resize handler for the
+    plot, whose relayout then syncs a closed model ("Syncing error: no comm
+    channel defined" in the browser's console, seen in JupyterLab).
+    """
+    with fig.batch_update():
+        for t in fig.data:
+            t.x, t.y = [], []
+
+
+def _close_retired(everything: bool = False) -> None:
+    now = time.monotonic()
+    keep = []
+    for t, w in _retired:
+        if everything or now - t >= RETIRE_S:
+            try:
+                w.close()
+            except Exception:
+                pass
+        else:
+            keep.append((t, w))
+    _retired[:] = keep
+
+
+atexit.register(_close_retired, True)
