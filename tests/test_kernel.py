@@ -147,10 +147,13 @@ for i, (x, y) in enumerate(strategy.dataloader(SyntheticTokens(64), batch_size=4
 """)
     assert reply["status"] == "ok", reply
     kinds = [(t, m["msg_type"], m["content"]) for t, m in msgs]
-    widget_at = next(t for t, k, c in kinds if k == "display_data"
-                     and "application/vnd.jupyter.widget-view+json" in c["data"])
-    static_at = next(t for t, k, c in kinds if k == "display_data"
-                     and "application/vnd.plotly.v1+json" in c["data"] and "text/html" in c["data"])
+    widget_at, live_id = next((t, c["transient"]["display_id"]) for t, k, c in kinds if k == "display_data"
+                              and "application/vnd.jupyter.widget-view+json" in c["data"])
+    # the widget's output is replaced in place (same display id) by the static copy: plotly's JSON
+    # and, with no page to draw it (this client is headless), a PNG made by kaleido
+    static_at = next(t for t, k, c in kinds if k == "update_display_data"
+                     and c["transient"]["display_id"] == live_id
+                     and "application/vnd.plotly.v1+json" in c["data"] and "image/png" in c["data"])
     live_updates = [t for t, k, c in kinds if k == "comm_msg" and widget_at < t < static_at]
     assert len(live_updates) >= 3, kinds  # the figure changed while the ranks trained
     assert static_at - widget_at > 1.5

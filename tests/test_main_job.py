@@ -33,7 +33,7 @@ def test_quickstart_job_writes_notebook_and_html_with_plots(tmp_path):
 
     dom = browser_dom(tmp_path / "01_quickstart.html")
     # the box plot is in the HTML as a PNG (kaleido on the system's Chromium): offline, sanitizer-proof
-    pngs = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
+    pngs = re.findall(r'<img[^>]*src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
     assert len(pngs) == 1
     head = base64.b64decode(pngs[0][:64])
     assert head[:8] == b"\x89PNG\r\n\x1a\n"

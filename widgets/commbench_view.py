@@ -52,9 +52,7 @@ class SweepPlot:
                 self.fig.data[2 * i + 1].y = [bandwidths(op, r["size_bytes"], n, r["seconds"])[1] / 1e9 for r in pts]
 
     def close(self) -> None:
-        from .figures import release_figure
-
-        release_figure(self.fig)
+        """Nothing to close: the FigureWidget stays open, unchanged (see Dashboard.close)."""
 
 
 def result_figure(*results) -> go.Figure:

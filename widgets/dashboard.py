@@ -201,11 +201,17 @@ class Dashboard:
         return fig
 
     def close(self) -> None:
-        from .figures import release_figure
+        """Close the controls; leave the FigureWidget alone.
 
+        Its view is gone (replaced by the static copy), but plotly.js keeps
+        handlers for it in the page: closing its comm makes a later resize sync a
+        closed model ("Syncing error: no comm channel defined"), and updating it
+        makes the page draw into a removed element ("el.on is not a function").
+        So it stays open, unchanged, until the kernel ends: its memory (the
+        final data, ~30 bytes a point) is the price.
+        """
         for w in (self.widget, self.widget.children[0], self.op, self.status):
             w.close()
-        release_figure(self.fig)
 
 
 def wrap_title(text: str, width: int = TITLE_WRAP) -> str:

@@ -130,7 +130,8 @@ def replace_live(display_id: str, fig=None, retire=None) -> None:
     ``retire`` (the live view, anything with ``close()``) is closed a few
     seconds later, not now: the page may still send a message for a widget
     whose view it is removing, and a comm closed under it shows "Syncing error:
-    no comm channel defined" in the browser's console.
+    no comm channel defined" in the browser's console. A retired view's
+    FigureWidget is neither closed nor updated (see Dashboard.close).
     """
     if fig is None:
         update_display({"text/plain": ""}, raw=True, display_id=display_id)
@@ -138,18 +139,6 @@ def replace_live(display_id: str, fig=None, retire=None) -> None:
         update_display(figure_bundle(fig), raw=True, display_id=display_id)
     if retire is not None:
         _retired.append((time.monotonic(), retire))
-
-
-def release_figure(fig) -> None:
-    """Let go of a FigureWidget whose view is gone: empty its traces, but leave its comm open.
-
-    Closing it is not safe: plotly.js keeps a window-resize handler for the
-    plot, whose relayout then syncs a closed model ("Syncing error: no comm
-    channel defined" in the browser's console, seen in JupyterLab).
-    """
-    with fig.batch_update():
-        for t in fig.data:
-            t.x, t.y = [], []
 
 
 def _close_retired(everything: bool = False) -> None:
