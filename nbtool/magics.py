@@ -1,13 +1,15 @@
 """IPython magics: parse the line, check it, call one function below.
 
 Every user mistake becomes a short UsageError naming the bad value and what
-is allowed; nothing here starts work before the line is known to be valid.
+is allowed. A line is checked in full before anything runs; the only work
+done first is asking a running cluster for facts a check needs (%dist_plan
+reads the ranks' hardware to resolve its defaults).
 """
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
 from .options import (
@@ -23,9 +25,9 @@ from .options import (
     strategy_options_given,
     strategy_spec,
 )
-from .rank.strategies.spec import NAMES as STRATEGIES
-from .rank.strategies.spec import SCHEDULES
-from .rank.strategies.spec import OFFLOADS, PRECISIONS
+from .spec import GROUPS as OPTION_GROUPS
+from .spec import NAMES as STRATEGIES
+from .spec import OPTION_FIELDS, PRECISIONS
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
@@ -40,7 +42,8 @@ def parse_argstring(magic, line: str):
 
 def _cell_options(f):
     """Options shared by %%distributed and %%rank."""
-    for a in (
+    for a in reversed((
+        argument_group("cell options"),
         argument("--timeout", type=positive_seconds, default=None,
                  help="stop the cell after SECONDS, naming the ranks that had not finished"),
         argument("--quiet", action="store_true",
@@ -48,69 +51,56 @@ def _cell_options(f):
         argument("--collective-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                  help="the hang watchdog reports a collective still running after SECONDS "
                       "(default: the cluster's, 60)"),
-    ):
+    )):
         f = a(f)
     return f
 
 
+ARG_TYPES = {"positive_int": positive_int, "positive_number": positive_number, "int": int}
+
+
+def _option_arguments(fld) -> list:
+    """The argparse arguments of one StrategySpec option field (see nbtool.spec.option)."""
+    meta = fld.metadata
+    name = meta["flag"] or "--" + fld.name.replace("_", "-")
+    extra = dict(meta["argparse"])
+    kind = meta["kind"]
+    if kind == "switch":
+        return [argument(name, dest=fld.name, action="store_true", help=meta["help"])]
+    if kind == "off":
+        return [argument(name, dest=fld.name, action="store_true", default=True, help="(the default)"),
+                argument("--no-" + name[2:], dest=fld.name, action="store_false", help=meta["help"])]
+    if kind == "both":
+        return [argument(name, dest=fld.name, action="store_true", default=None, help=meta["help"]),
+                argument("--no-" + name[2:], dest=fld.name, action="store_false", default=None)]
+    if "type" in extra:
+        extra["type"] = ARG_TYPES.get(extra["type"], str)
+    return [argument(name, dest=fld.name, default=meta["arg_default"], help=meta["help"], **extra)]
+
+
+# options of a strategy line that are not part of the spec: how nbtool runs and records the cell
+RUN_OPTIONS = (
+    argument("--export-config", default=None, metavar="FILE",
+             help="zero*: write the exact DeepSpeed JSON used to FILE"),
+    argument("--no-metrics", dest="metrics", action="store_false", default=True,
+             help="do not record collectives, memory and steps for this cell"),
+    argument("--no-watch", dest="watch", action="store_false", default=True,
+             help="record, but show no live dashboard under the cell"),
+    argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
+)
+
+
 def _strategy_options(f):
-    """Options of %%distributed STRATEGY (checked against the strategy in spec.validate)."""
-    for a in (
-        argument("--precision", choices=PRECISIONS, default=None,
-                 help="fp32 (default); bf16/fp16 mixed precision as each strategy implements it"),
-        argument("--grad-accum", type=positive_int, default=None, metavar="N",
-                 help="accumulate gradients over N backward() calls per optimizer step"),
-        argument("--activation-checkpointing", nargs="?", const="", default=None, metavar="CLASS",
-                 help="recompute activations of modules of CLASS in backward (default: the repeated block)"),
-        argument("--seed", type=int, default=None, help="seed torch/random/numpy on every rank (default 0)"),
-        argument("--grad-clip", type=positive_number, default=None, metavar="NORM",
-                 help="clip the global gradient norm at NORM before each step (default: no clipping)"),
-        argument("--bucket-mb", type=positive_number, default=None, help="ddp: gradient bucket size in MiB"),
-        argument("--grad-as-bucket-view", action="store_true", help="ddp: gradients are views into buckets"),
-        argument("--static-graph", action="store_true", help="ddp: the graph is the same every step"),
-        argument("--reshard-after-forward", dest="reshard_after_forward", action="store_true", default=True,
-                 help="fsdp: free gathered parameters after forward (ZeRO-3-like; default)"),
-        argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                 help="fsdp: keep them until backward (ZeRO-2-like)"),
-        argument("--wrap", default=None, metavar="CLASS[,CLASS]",
-                 help="fsdp: shard modules of these classes as their own units (root wrapped last)"),
-        argument("--offload", nargs="?", const="both", choices=OFFLOADS, default=None,
-                 help="fsdp: CPUOffloadPolicy; zero*: offload optimizer, params (zero3) or both to cpu"),
-        argument("--overlap-comm", dest="overlap_comm", action="store_true", default=None,
-                 help="zero*: overlap gradient reduction with backward"),
-        argument("--no-overlap-comm", dest="overlap_comm", action="store_false", default=None),
-        argument("--contiguous-gradients", dest="contiguous_gradients", action="store_true", default=None,
-                 help="zero*: copy gradients into one contiguous buffer"),
-        argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false", default=None),
-        argument("--reduce-bucket-mb", type=positive_number, default=None, help="zero*: reduce bucket size, MiB"),
-        argument("--allgather-bucket-mb", type=positive_number, default=None, help="zero*: all-gather bucket, MiB"),
-        argument("--micro-batch", type=positive_int, default=None,
-                 help="zero*: train_micro_batch_size_per_gpu in the config (default 8)"),
-        argument("--ds-config", default=None, metavar="FILE", help="zero*: start from this DeepSpeed JSON"),
-        argument("--export-config", default=None, metavar="FILE",
-                 help="zero*: write the exact DeepSpeed JSON used to FILE"),
-        argument("--dp", type=positive_int, default=None, metavar="D",
-                 help="tp/pp/fsdp: data-parallel size of the layout (default: the ranks left over)"),
-        argument("--tp", type=positive_int, default=None, metavar="T",
-                 help="tp/pp/fsdp: tensor-parallel size (DTensor ColwiseParallel/RowwiseParallel plan)"),
-        argument("--pp", type=positive_int, default=None, metavar="P",
-                 help="tp/pp/fsdp: pipeline stages (torch.distributed.pipelining)"),
-        argument("--sp", action="store_true",
-                 help="tp: sequence parallelism (activations split along the sequence outside TP regions)"),
-        argument("--microbatches", type=positive_int, default=None, metavar="M",
-                 help="pp: micro-batches per batch (default 2 x pp)"),
-        argument("--schedule", choices=SCHEDULES, default=None, help="pp: gpipe or 1f1b (default 1f1b)"),
-        argument("--no-metrics", dest="metrics", action="store_false", default=True,
-                 help="do not record collectives, memory and steps for this cell"),
-        argument("--no-watch", dest="watch", action="store_false", default=True,
-                 help="record, but show no live dashboard under the cell"),
-        argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
-        argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
-                 help="save a checkpoint (strategy.save) every N optimizer steps"),
-        argument("--checkpoint-dir", default=None, metavar="DIR",
-                 help="where --checkpoint-every saves (default: ./checkpoints)"),
-    ):
-        f = a(f)
+    """Options of %%distributed STRATEGY: generated from StrategySpec's fields (nbtool.spec), in sections."""
+    decorators = []
+    for group in OPTION_GROUPS:
+        decorators.append(argument_group(group))
+        for fld in OPTION_FIELDS:
+            if fld.metadata["group"] == group:
+                decorators += _option_arguments(fld)
+    decorators += [argument_group("run options"), *RUN_OPTIONS]
+    for d in reversed(decorators):  # IPython applies decorators in reverse source order
+        f = d(f)
     return f
 
 

@@ -178,11 +178,11 @@ class PipelineStep:
 
     @property
     def bubble_theory(self) -> float:
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+        from .spec import bubble_fraction
+
+        return bubble_fraction(self.stages, self.microbatches)
 
 
-RECORD_TYPES = {c.__name__: c for c in (CommRecord, MemorySample, StepMarker, ScalarRecord, MemoryLedger,
-                                         PipelineStep)}
 # RunRecords list -> record type (JSON keys), and the CSV "kind" of each
 KINDS = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord,
          "pipeline": PipelineStep}

@@ -11,6 +11,7 @@ import time
 import ipyparallel as ipp
 from IPython.core.error import UsageError
 
+from . import protocol
 from .cluster import RankCluster
 from .execution import run_cell
 from .options import ClusterOptions, format_ranks, label_ranks
@@ -92,7 +93,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
     """
     from .metrics import RunRecords
     from .rank import strategies
-    from .rank.strategies.spec import deepspeed_config, dumps_config
+    from .spec import deepspeed_config, dumps_config
 
     ranks = list(range(cluster.world_size))
     _prepare_cell(cluster, ranks, collective_timeout, collectives=True)
@@ -108,9 +109,9 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
     if metrics and watch and in_kernel and not quiet:
         from .widgets import Dashboard
 
-        from .rank.strategies.spec import LAYOUT_NAMES, parallel_dims
+        from .spec import LAYOUT_NAMES, ParallelDims
 
-        pipeline = spec.name in LAYOUT_NAMES and parallel_dims(spec, cluster.world_size)[2] > 1
+        pipeline = spec.name in LAYOUT_NAMES and ParallelDims.resolve(spec, cluster.world_size).pp > 1
         from .widgets.figures import show_live
 
         dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline)
@@ -132,7 +133,7 @@ def run_strategy(cluster: RankCluster, code: str, spec, *, in_kernel: bool, time
                  on_tick=live if dash is not None else None, progress=_progress(in_kernel))
         ok = True
     finally:
-        # always stop the recorders: they patch torch.distributed on the ranks
+        # always stop the recorders: their sampling thread runs and the watchdog's wrappers report to them
         finished = _finish(cluster, ranks, want_summary=not quiet)
         if metrics and finished is not None:
             run = RunRecords(name=run.name, strategy=run.strategy, world_size=run.world_size, t_start=run.t_start,
@@ -163,11 +164,10 @@ class _LiveRecords:
     def __call__(self, children) -> None:
         fresh = False
         for _, f in children:
-            data = f.output.metadata.get("data") or {}
-            for key in list(data):
-                if key.startswith("nbtool:") and key not in self.seen:
+            for key, records in protocol.entries(f, "records"):
+                if key not in self.seen:
                     self.seen.add(key)
-                    self.run.add(data[key])
+                    self.run.add(records)
                     fresh = True
         if fresh:
             self.dash.refresh(self.run)
@@ -265,9 +265,8 @@ def commbench(cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str
             if plot is None:
                 continue
             for f in ar._children:
-                for key, row in (f.output.metadata.get("data") or {}).items():
-                    if key.startswith("nbtool-commbench:") and key not in seen:
-                        seen[key] = row
+                for key, row in protocol.entries(f, "commbench"):
+                    seen.setdefault(key, row)
             if seen:
                 plot.show_rows(list(seen.values()), n)
         per_rank = ar.get()
@@ -386,11 +385,12 @@ def plan_vs_last() -> None:
     layout = {"fsdp": "fsdp" if desc.get("reshard_after_forward", True) else "fsdp-grad-op"}.get(run.strategy, run.strategy)
     hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
     precision = desc.get("precision_spec", "fp32")
-    dp, tp, pp = desc.get("dims") or (None, None, None)  # set for tp / pp layouts only
+    dims = desc.get("dims")  # a ParallelDims for mesh layouts only
     note = None
-    if tp is None:
+    if dims is None:
         tp = pp = 1
     else:
+        dp, tp, pp = dims
         layout = "tp-pp" if tp > 1 and pp > 1 else ("tp" if tp > 1 else "pp")
         note = ("the planner splits every parameter over tp x pp (Megatron's approximation); here embeddings, "
                 "norms and row-parallel biases stay whole under tp, and stages differ in size under pp"

@@ -124,7 +124,7 @@ else:
     assert text in err  # printed while the cell ran
     assert "rank 0 blocked in a collective for more than 3s" in text
     # sequence numbers count every collective of the engine's life
-    seq = int(re.search(r"rank 0: in all_reduce #(\d+) \(1\.0 KiB, float32, group of 2\)", text).group(1))
+    seq = int(re.search(r"rank 0: in all_reduce #(\d+) \(1\.00 KiB, float32, group of 2\)", text).group(1))
     assert "dist.all_reduce(x)          # rank 1 skips this one" in text  # rank 0's Python line
     assert f"rank 1: running Python, not in a collective; {seq - 1} collective(s) issued" in text
     assert "time.sleep(0.05)" in text  # rank 1's stack, through SIGUSR1

@@ -13,7 +13,7 @@ from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from nbtool.execution import RankError
 from nbtool.magics import parse_strategy_line
 from nbtool.plan import HARDWARE_PRESETS, MODEL_PRESETS, Training, recommend
-from nbtool.rank.strategies.spec import SpecError, StrategySpec, parallel_dims
+from nbtool.spec import ParallelDims, SpecError, StrategySpec
 
 STEPS, BATCH, LR = 4, 8, 0.1
 
@@ -284,7 +284,7 @@ def test_invalid_layout_table(line, world, message):
     ("fsdp --tp 2 --pp 2", 8, (2, 2, 2)), ("tp --tp 2 --pp 2", 4, (1, 2, 2)), ("pp --dp 2", 4, (2, 1, 2)),
 ])
 def test_layout_arithmetic(line, world, dims):
-    assert parallel_dims(parse_strategy_line(line, "gloo", "cpu", world), world) == dims
+    assert tuple(ParallelDims.resolve(parse_strategy_line(line, "gloo", "cpu", world), world)) == dims
 
 
 def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
@@ -296,7 +296,7 @@ def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
     for e in mesh:
         line = e.magic_line(t)
         spec = parse_strategy_line(line, "nccl", "cuda", hw.devices)
-        assert parallel_dims(spec, hw.devices) == (e.dp, e.tp, e.pp), line
+        assert tuple(ParallelDims.resolve(spec, hw.devices)) == (e.dp, e.tp, e.pp), line
         assert spec == e.spec(t), line
         if e.pp > 1:
             assert spec.microbatches == t.grad_accum and "--grad-accum" not in line
@@ -304,7 +304,7 @@ def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
 
 def test_spec_refuses_layout_without_world_size_is_still_checked():
     with pytest.raises(SpecError, match="--sp"):
-        from nbtool.rank.strategies.spec import validate
+        from nbtool.spec import validate
 
         validate(StrategySpec("tp", tp=1, sp=True))
 

@@ -194,10 +194,10 @@ class Picker:
         return None
 
     def export(self) -> str | None:
-        from nbtool.rank.strategies.spec import deepspeed_config, dumps_config
+        from nbtool.spec import deepspeed_config, dumps_config
 
         e = self.selected()
-        if e is None or not e.layout.startswith("zero"):
+        if e is None or not e.layout.is_zero:
             self.message.value = "Only ZeRO layouts have a DeepSpeed config; FSDP/DDP options are the magic line."
             return None
         spec = e.spec(self.training())

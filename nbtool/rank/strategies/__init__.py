@@ -5,7 +5,7 @@ namespace as ``strategy``; the cell then calls ``strategy.prepare(...)``.
 """
 from __future__ import annotations
 
-from .spec import NAMES, StrategySpec
+from ...spec import NAMES, StrategySpec
 
 _last = None  # the strategy of the most recent strategy cell on this rank
 
@@ -75,7 +75,7 @@ def finish(want_summary: bool = True) -> dict:
             out["description"] = {**dict(_last.describe()), "param_numels": list(_last._param_numels),
                                   "precision_spec": _last.spec.precision,
                                   "reshard_after_forward": _last.spec.reshard_after_forward,
-                                  "dims": [getattr(_last, d, None) for d in ("dp", "tp", "pp")]}
+                                  "dims": getattr(_last, "dims", None)}  # a ParallelDims for tp / pp / fsdp x tp
     return out
 
 
