@@ -378,14 +378,14 @@ def plan_vs_last() -> None:
         raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
     run = LAST[0]
     desc = run.description
-    if not desc.get("param_numels"):
+    if not desc.param_numels:
         raise UsageError(f"run {run.name!r} has no model description (did the cell call strategy.prepare?)")
-    numels = desc["param_numels"]
+    numels = desc.param_numels
     shape = ModelShape(sum(numels), numels=tuple(numels))
-    layout = {"fsdp": "fsdp" if desc.get("reshard_after_forward", True) else "fsdp-grad-op"}.get(run.strategy, run.strategy)
+    layout = {"fsdp": "fsdp" if desc.reshard_after_forward else "fsdp-grad-op"}.get(run.strategy, run.strategy)
     hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
-    precision = desc.get("precision_spec", "fp32")
-    dims = desc.get("dims")  # a ParallelDims for mesh layouts only
+    precision = desc.precision
+    dims = desc.dims  # (dp, tp, pp) for mesh layouts only
     note = None
     if dims is None:
         tp = pp = 1

@@ -64,7 +64,7 @@ def test_ddp_all_reduce_bytes_equal_gradient_bytes(ranks):
     assert c.clock == "wall" and c.group_size == 2 and c.dtype == "float32"
     assert c.busbw == pytest.approx(c.algbw * 2 * (2 - 1) / 2)
     assert c.algbw == pytest.approx(c.size_bytes / c.seconds)
-    assert rec.description["comm_hook"].startswith("default_hooks.allreduce_hook")
+    assert rec.description.details["comm_hook"].startswith("default_hooks.allreduce_hook")
 
 
 def test_ddp_buckets_follow_bucket_size(ranks):
@@ -77,7 +77,7 @@ def test_ddp_buckets_follow_bucket_size(ranks):
 @pytest.mark.parametrize("flags,gathers", [("", 2), ("--no-reshard-after-forward", 1)])
 def test_fsdp_collectives_match_units_and_passes(ranks, flags, gathers):
     rec = record(ranks, f"fsdp --wrap Block {flags}")
-    units = len(rec.description["units"])
+    units = len(rec.description.details["units"])
     assert units == 3
     for row in per_step(rec):
         # each unit: all-gather before forward (and again before backward when resharded),

@@ -1,6 +1,6 @@
 """Layouts that need 4 ranks (data parallel x tensor / pipeline), against a single-process reference.
 
-Runs on its own 4-rank cluster, then gives the session its 2-rank cluster back.
+Runs on its own 4-rank cluster (make_cluster); the session's 2-rank cluster waits, parked.
 4 ranks on 2 cores are oversubscribed (each gloo message ~6 ms), so few steps.
 """
 from __future__ import annotations
@@ -36,13 +36,10 @@ def _ptrain(strategy, steps=3, batch=4):
 
 
 @pytest.fixture(scope="module")
-def four(ip, cluster):
-    ip.run_line_magic("cluster", "stop")
-    ip.run_line_magic("cluster", "start -n 4")
+def four(ip, make_cluster):
+    make_cluster(4)
     ip.run_cell(SETUP).raise_error()
-    yield ip
-    ip.run_line_magic("cluster", "stop")
-    ip.run_line_magic("cluster", "start -n 2")
+    return ip
 
 
 def reference():
