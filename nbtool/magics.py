@@ -119,7 +119,10 @@ class NbtoolMagics(Magics):
 
     def __init__(self, shell):
         super().__init__(shell)
+        from .actions.state import Session
+
         self.rank_cluster = None  # RankCluster, imported lazily (ipyparallel is slow to import)
+        self.session = Session()  # what the kernel remembers between cells (recorded runs, last %commbench)
 
     # -- helpers ---------------------------------------------------------
     @property
@@ -152,7 +155,7 @@ class NbtoolMagics(Magics):
         ``%cluster status`` shows a row per rank, ``%cluster stop`` ends it,
         ``%cluster restart`` brings up fresh engines with the same options.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.cluster, line)
         start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
@@ -173,18 +176,18 @@ class NbtoolMagics(Magics):
                     f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "
                     "use %cluster restart for fresh engines, or %cluster stop first"
                 )
-            self.rank_cluster = session.start(opts, self.in_kernel)
+            self.rank_cluster = actions.cluster.start(opts, self.in_kernel)
         elif args.action == "status":
-            return session.status(self._require_cluster())
+            return actions.cluster.status(self._require_cluster())
         elif args.action == "stop":
             if self.rank_cluster is None:
                 raise UsageError("no cluster is running; nothing to stop")
-            session.stop(self.rank_cluster)
+            self.rank_cluster.stop()
             self.rank_cluster = None
         else:
             if self.rank_cluster is None:
                 raise UsageError(NO_CLUSTER)
-            session.restart(self.rank_cluster, self.in_kernel)
+            actions.cluster.restart(self.rank_cluster, self.in_kernel)
 
     # -- %%distributed / %%rank -------------------------------------------
     @magic_arguments()
@@ -231,9 +234,9 @@ class NbtoolMagics(Magics):
         if args.ranks is not None:
             raise UsageError(f"--ranks does not apply with a strategy: {args.strategy} runs on every rank")
         spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind, cluster.layout.n)
-        from . import session
+        from . import actions
 
-        session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
+        actions.run.run_strategy(self.session, cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
                              quiet=args.quiet, export_config=args.export_config, metrics=args.metrics,
                              watch=args.watch, name=args.name, collective_timeout=args.collective_timeout)
 
@@ -241,7 +244,7 @@ class NbtoolMagics(Magics):
         """%%distributed compare ddp, fsdp --precision bf16, zero3 --offload both"""
         import re
 
-        from . import session
+        from . import actions
 
         body = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
         names = "|".join(STRATEGIES)
@@ -270,7 +273,7 @@ class NbtoolMagics(Magics):
             timeout = args.timeout if args.timeout is not None else timeout
             collective_timeout = args.collective_timeout or collective_timeout
             quiet = quiet or args.quiet
-        session.compare(cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet,
+        actions.run.compare(self.session, cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet,
                         collective_timeout=collective_timeout)
 
     @magic_arguments()
@@ -287,11 +290,12 @@ class NbtoolMagics(Magics):
         and comm time, final loss; ratios to the first run) and plots.
         Quote names with spaces: ``%dist_compare ddp "fsdp --wrap Block"``.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
-        session.show_comparison(session.stored_runs(names), self.in_kernel, args.deterministic)
+        actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
+                                        args.deterministic)
 
     @magic_arguments()
     @argument("action", choices=["export"], help="what to do")
@@ -300,10 +304,10 @@ class NbtoolMagics(Magics):
     @line_magic
     def dist_metrics(self, line=""):
         """Export a recorded run: ``%dist_metrics export run.json`` (read back with nbtool.metrics.load)."""
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_metrics, line)
-        print(session.export_run(args.path, args.name))
+        print(actions.metrics.export_run(self.session, args.path, args.name))
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")
@@ -316,11 +320,11 @@ class NbtoolMagics(Magics):
         return self._run(cell, args.ranks, args)
 
     def _run(self, cell, ranks_spec, args):
-        from . import session
+        from . import actions
 
         cluster = self._require_cluster()
         ranks = parse_ranks(ranks_spec, cluster.world_size)
-        session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet,
+        actions.run.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet,
                     collective_timeout=args.collective_timeout)
 
     # -- %commbench -----------------------------------------------------------
@@ -346,7 +350,7 @@ class NbtoolMagics(Magics):
         CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
         to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
         """
-        from . import session
+        from . import actions
         from .commbench import BENCH_OPS, DTYPES, size_sweep
 
         args = parse_argstring(self.commbench, line)
@@ -371,7 +375,7 @@ class NbtoolMagics(Magics):
         ranks = parse_ranks(args.ranks, cluster.world_size)
         if len(ranks) < 2:
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
-        return session.commbench(cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
+        return actions.commbench.commbench(self.session, cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
                                  args.inplace, self.in_kernel, label=args.label)
 
     # -- %dist_plan -----------------------------------------------------------
@@ -397,12 +401,12 @@ class NbtoolMagics(Magics):
         last recorded run. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
         ``HARDWARE_PRESETS``; measured ``%commbench`` bandwidth is used when present.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_plan, line)
         if args.vs_last:
-            return session.plan_vs_last()
-        return session.plan(args, self.rank_cluster, self.in_kernel, self.shell)
+            return actions.plan.plan_vs_last(self.session)
+        return actions.plan.plan(self.session, args, self.rank_cluster, self.in_kernel, self.shell)
 
     # -- %dist_checkpoint -----------------------------------------------------
     @magic_arguments()
@@ -420,7 +424,7 @@ class NbtoolMagics(Magics):
         optimizer state under the strategy and world size that saved it).
         Saves are atomic: a crash mid-save leaves the previous one loadable.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_checkpoint, line)
         if args.action == "save" and not args.optimizer:
@@ -434,7 +438,7 @@ class NbtoolMagics(Magics):
             if latest_dir(args.path) is None:
                 what = "does not exist" if not os.path.exists(args.path) else "holds no complete checkpoint"
                 raise UsageError(f"checkpoint {args.path!r} {what}; save one with %dist_checkpoint save PATH")
-        session.checkpoint(cluster, args.action, args.path, args.optimizer)
+        actions.checkpoint.checkpoint(cluster, args.action, args.path, args.optimizer)
 
     # -- %dist_push / %dist_pull -----------------------------------------
     @magic_arguments()
@@ -443,7 +447,7 @@ class NbtoolMagics(Magics):
     @line_magic
     def dist_push(self, line=""):
         """Copy kernel variables into every rank's namespace (or ``--ranks``)."""
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_push, line)
         missing = [n for n in args.names if n not in self.shell.user_ns]
@@ -451,7 +455,7 @@ class NbtoolMagics(Magics):
             raise UsageError(f"{missing[0]!r} is not defined in the kernel; define it before %dist_push")
         cluster = self._require_cluster()
         ranks = parse_ranks(args.ranks, cluster.world_size)
-        session.push(cluster, {n: self.shell.user_ns[n] for n in args.names}, ranks)
+        actions.transfer.push(cluster, {n: self.shell.user_ns[n] for n in args.names}, ranks)
 
     @magic_arguments()
     @argument("names", nargs="+", help="rank variables to copy into the kernel")
@@ -464,7 +468,7 @@ class NbtoolMagics(Magics):
         ``%dist_pull loss --rank 0`` sets ``loss`` to rank 0's value;
         ``%dist_pull loss`` sets ``loss`` to ``[value on rank 0, value on rank 1, ...]``.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_pull, line)
         cluster = self._require_cluster()
@@ -472,5 +476,5 @@ class NbtoolMagics(Magics):
             raise UsageError(
                 f"--rank {args.rank} does not exist; this cluster has ranks {format_ranks(range(cluster.world_size))}"
             )
-        values = session.pull(cluster, args.names, args.rank)
+        values = actions.transfer.pull(cluster, args.names, args.rank)
         self.shell.user_ns.update(values)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from nbtool import session
+import nbtool
 from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from nbtool.execution import RankError
 from nbtool.magics import parse_strategy_line
@@ -74,7 +74,7 @@ def train(ip, line: str, **kw) -> tuple[list[dict], object]:
     args = "".join(f", {k}={v!r}" for k, v in kw.items())
     ip.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy{args})").raise_error()
     ip.run_line_magic("dist_pull", "_pout")
-    return ip.user_ns["_pout"], session.LAST[0]
+    return ip.user_ns["_pout"], nbtool.last_run()
 
 
 def per_step(run, rank: int, step: int) -> Counter:
@@ -145,7 +145,7 @@ def test_tp_collectives_per_layer_match_megatron(ranks):
     ranks.run_cell("%%distributed tp --quiet\n_m = _ptrain(strategy, layers=2, steps=1)\n"
                    "with torch.no_grad():\n    strategy.model(next(iter(strategy.dataloader(_pdata, 8)))[0])"
                    ).raise_error()
-    run = session.LAST[0]
+    run = nbtool.last_run()
     # after step 1 (full_state_dict's all-gathers aside): the forward of 2 layers
     assert per_step(run, 0, 2)["all_reduce"] == 4
 

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from nbtool import session
+import nbtool
 from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
 
 STEPS, BATCH, LR = 3, 8, 0.1
@@ -80,7 +80,7 @@ def test_4_rank_layouts_match_reference(four, line, dims):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref_sd.items():
         torch.testing.assert_close(out[0]["sd"][k], v, rtol=1e-5, atol=1e-5, msg=f"{line}: {k}")
-    run = session.LAST[0]
+    run = nbtool.last_run()
     ops = Counter(c.op for c in run.comms)
     if "pp(2)" in dims:
         assert ops["send"] and ops["recv"] and len({p.stage for p in run.pipeline}) == 2

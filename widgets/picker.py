@@ -22,7 +22,8 @@ import plotly.graph_objects as go
 from . import front_end
 from plotly.subplots import make_subplots
 
-from nbtool.plan.estimate import PREFERENCE, RESERVE
+from nbtool.plan.estimate import RESERVE
+from nbtool.plan.layouts import PREFERENCE
 from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
 from nbtool.plan.recommend import _label, recommend, runnable_choices
 

@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..spec import bubble_fraction
-from .layouts import DP_LAYOUTS, PREFERENCE, Layout  # noqa: F401  (DP_LAYOUTS, PREFERENCE: the planner's API)
+from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
 from .inputs import Hardware, ModelShape, Training

@@ -1,7 +1,12 @@
 """The optimizer a cell gets back from ``strategy.prepare``: steps at accumulation boundaries only."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from .base import Strategy
 
 class StepOptimizer(torch.optim.Optimizer):
     """The optimizer handed back by prepare(): steps at accumulation boundaries.
