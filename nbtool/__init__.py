@@ -5,28 +5,34 @@ because engines import ``nbtool.rank`` (and so this file) too.
 """
 __version__ = "0.1.0"
 
-_magics = None
-
 
 def load_ipython_extension(ipython):
-    global _magics
     from .magics import NbtoolMagics
 
-    _magics = NbtoolMagics(ipython)
-    ipython.register_magics(_magics)
+    ipython.register_magics(NbtoolMagics(ipython))
     if getattr(ipython, "kernel", None) is not None:  # in a Jupyter kernel: ask the front end early
         from .widgets import front_end
 
         front_end.app()
 
 
+def _magics(ipython=None):
+    """The NbtoolMagics instance of this shell (it owns the cluster and the session), or None."""
+    if ipython is None:
+        from IPython import get_ipython
+
+        ipython = get_ipython()
+    if ipython is None:
+        return None
+    return ipython.magics_manager.registry.get("NbtoolMagics")
+
+
 def unload_ipython_extension(ipython):
     """Stop the cluster: no engine or controller outlives the extension."""
-    global _magics
-    if _magics is not None and _magics.rank_cluster is not None:
-        _magics.rank_cluster.stop()
-        _magics.rank_cluster = None
-    _magics = None
+    magics = _magics(ipython)
+    if magics is not None and magics.rank_cluster is not None:
+        magics.rank_cluster.stop()
+        magics.rank_cluster = None
     from .widgets.figures import _close_retired
 
     _close_retired(everything=True)
@@ -38,7 +44,8 @@ def current_cluster():
     Its ``last_hang`` holds the watchdog's last report (``.summary()``,
     ``.text()``), ``group_closed`` why collectives are unusable, if they are.
     """
-    return _magics.rank_cluster if _magics is not None else None
+    magics = _magics()
+    return magics.rank_cluster if magics is not None else None
 
 
 def last_run(name: str | None = None):
@@ -47,8 +54,7 @@ def last_run(name: str | None = None):
     A nbtool.metrics.RunRecords: ``.comms`` (every collective), ``.memory``,
     ``.steps``, ``.scalars``, ``.pipeline``; None before any recorded run.
     """
-    from . import session
-
-    if name is not None:
-        return session.RUNS.get(name)
-    return session.LAST[0] if session.LAST else None
+    magics = _magics()
+    if magics is None:
+        return None
+    return magics.session.runs.get(name) if name is not None else magics.session.last

@@ -7,6 +7,7 @@ life. Nothing here parses magic lines or draws anything: callers pass a
 """
 from __future__ import annotations
 
+import enum
 import logging
 import os
 import shutil
@@ -14,6 +15,7 @@ import signal
 import socket
 import tempfile
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import ipyparallel as ipp
@@ -48,6 +50,26 @@ def threads_per_rank(n: int) -> int:
     return max(1, (os.cpu_count() or 1) // n)
 
 
+@dataclass(frozen=True)
+class GroupClosed:
+    """Why the process group can no longer run collectives (until ``%cluster restart``)."""
+
+    class Cause(enum.Enum):
+        RELEASED = "closed to release ranks blocked in a collective"
+        UNRESPONSIVE = "an engine stopped responding"
+        RANK_DIED = "a rank died"
+
+    cause: "GroupClosed.Cause"
+    text: str  # what the user reads
+
+    RELEASED = Cause.RELEASED
+    UNRESPONSIVE = Cause.UNRESPONSIVE
+    RANK_DIED = Cause.RANK_DIED
+
+    def __str__(self) -> str:
+        return self.text
+
+
 class RankCluster:
     """N ipyparallel engines that are ranks 0..N-1 of one process group."""
 
@@ -61,7 +83,7 @@ class RankCluster:
         self.started_s: float | None = None
         self.pids: list[int] = []  # engine process per rank
         # why the process group can no longer run collectives (None: it can)
-        self.group_closed: str | None = None
+        self.group_closed: GroupClosed | None = None
         self.collective_timeout: float = options.collective_timeout  # what the engines use now
         self._store_dir: str | None = None
         self.last_hang = None  # the watchdog's last HangReport (nbtool.faults)
@@ -272,7 +294,7 @@ class RankCluster:
         gloo collective gets end-of-file at once even while a DDP model or a
         DeviceMesh in its namespace keeps the group object alive.
         """
-        self.group_closed = reason
+        self.group_closed = GroupClosed(GroupClosed.RELEASED, reason)
         for r in ranks:
             try:
                 fds = self.peer_sockets(r)

@@ -6,6 +6,7 @@ ipyparallel's network thread.
 """
 from __future__ import annotations
 
+import enum
 import sys
 import time
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 import ipyparallel as ipp
 
 from . import faults
-from .cluster import RankCluster
+from .cluster import GroupClosed, RankCluster
 from .options import label_ranks
 from .rank_output import RankOutputView, snapshot
 
@@ -60,6 +61,15 @@ class CellTimeout(Exception):
 class RanksUnresponsive(Exception):
     def _render_traceback_(self):
         return [f"RanksUnresponsive: {self}"]
+
+
+class Stop(enum.Enum):
+    """Why run_cell stopped waiting for the ranks before they all finished."""
+
+    FAILURE = "a rank failed"
+    TIMEOUT = "--timeout passed"
+    UNRESPONSIVE = "an engine does not respond"
+    INTERRUPT = "Ctrl-C"
 
 
 class RanksInterrupted(KeyboardInterrupt):
@@ -118,7 +128,7 @@ def run_cell(
     def unfinished():
         return [r for r, f in children if not f.done()]
 
-    stop_reason, failed_at = None, None
+    stop_reason, failed_at = None, None  # a Stop once the loop gives up waiting
     try:
         while not ar.wait(TICK_S):
             out.update(texts())
@@ -128,26 +138,27 @@ def run_cell(
             if failed_at is None and any(f.done() and _error_of(f) is not None for _, f in children):
                 failed_at = time.perf_counter()
             if failed_at is not None and time.perf_counter() - failed_at > PEER_GRACE_S:
-                stop_reason = "failure"
+                stop_reason = Stop.FAILURE
                 break
             if timeout is not None and time.perf_counter() - t0 > timeout:
-                stop_reason = "timeout"
+                stop_reason = Stop.TIMEOUT
                 break
             if time.perf_counter() - t0 > UNRESPONSIVE_S and _silent(children):
-                stop_reason = "unresponsive"
+                stop_reason = Stop.UNRESPONSIVE
                 break
     except KeyboardInterrupt:
-        stop_reason = "interrupt"
+        stop_reason = Stop.INTERRUPT
 
     # a timeout or Ctrl-C that lands after every rank finished: the cell simply finished
     late = unfinished() if stop_reason else []
     released = None
-    if stop_reason == "unresponsive":
+    if stop_reason is Stop.UNRESPONSIVE:
         silent = _silent(children)
         others = [r for r in late if r not in silent]
-        released = faults.release(cluster, ar, children, others, progress, unresponsive=silent) if others else None
+        released = faults.release(cluster, children, others, progress, unresponsive=silent) if others else None
         out.finish(texts())
-        cluster.group_closed = cluster.group_closed or f"{label_ranks(silent)} stopped responding"
+        cluster.group_closed = cluster.group_closed or GroupClosed(GroupClosed.UNRESPONSIVE,
+                                                                   f"{label_ranks(silent)} stopped responding")
         what = (f"{label_ranks(silent)} did not start the cell within {UNRESPONSIVE_S:g}s: the engine does not "
                 "respond (its process is stopped or suspended, or its machine is asleep)")
         if released is not None:
@@ -155,19 +166,19 @@ def run_cell(
         raise RanksUnresponsive(what + f"; %cluster restart brings back {cluster.world_size} fresh rank(s)")
     if late:
         outputs = {r: t for r, t in zip(ranks, texts())}
-        released = faults.release(cluster, ar, children, late, progress)
+        released = faults.release(cluster, children, late, progress)
         if not released.restarted:
             ar.wait_for_output(1.0)
             outputs = {r: t for r, t in zip(ranks, texts())}
         out.finish([outputs[r] for r in ranks])
-        if stop_reason != "failure":
+        if stop_reason is not Stop.FAILURE:
             what = (f"cell exceeded --timeout {timeout:g}s; {label_ranks(late)} had not finished"
-                    if stop_reason == "timeout" else f"interrupted {label_ranks(late)}")
+                    if stop_reason is Stop.TIMEOUT else f"interrupted {label_ranks(late)}")
             if released.released or released.restarted:
                 what += "; " + released.note()
             else:
                 what += " (they stopped; the cluster is ready)"
-            raise (CellTimeout if stop_reason == "timeout" else RanksInterrupted)(what)
+            raise (CellTimeout if stop_reason is Stop.TIMEOUT else RanksInterrupted)(what)
     else:
         ar.wait_for_output(5.0)
         out.finish(texts())
@@ -177,7 +188,7 @@ def run_cell(
     if errors:
         notes = [released.note() if released else ""]
         if any(getattr(e, "ename", "") == "RankDied" for _, e in errors) and not (released and released.restarted):
-            cluster.group_closed = cluster.group_closed or "a rank died"
+            cluster.group_closed = cluster.group_closed or GroupClosed(GroupClosed.RANK_DIED, "a rank died")
             notes.append(f"{label_ranks(cluster.lost_ranks())} gone; %cluster restart brings back "
                          f"{cluster.world_size} rank(s)")
         raise RankError(errors, notes)

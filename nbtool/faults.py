@@ -11,6 +11,8 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+from . import protocol
+from .metrics import format_bytes
 from .options import label_ranks
 
 # errors a rank raises *because* another rank failed or was interrupted: shown after the cause
@@ -63,17 +65,9 @@ def user_frames(stack: list[str], keep: int = 6) -> list[str]:
     return frames[-keep:]
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
 def describe_op(r: dict) -> str:
     extra = f", {r['dtype']}" if r.get("dtype") else ""
-    return f"{r['op']} #{r['seq']} ({_size(r['size_bytes'])}{extra}, group of {r['group_size']})"
+    return f"{r['op']} #{r['seq']} ({format_bytes(r['size_bytes'])}{extra}, group of {r['group_size']})"
 
 
 @dataclass
@@ -82,6 +76,7 @@ class HangReport:
 
     blocked: dict = field(default_factory=dict)  # rank -> watchdog report
     others: dict = field(default_factory=dict)  # rank -> one-line state, with stack lines
+    issued: dict = field(default_factory=dict)  # rank -> collectives it had issued (ranks not blocked)
     timeout_s: float = 0.0
     reported_at: float = 0.0  # time.time() when it was shown
 
@@ -105,7 +100,7 @@ class HangReport:
                 state, stack = self.others[rank]
                 lines.append(f"  rank {rank}: {state}" + (", at:" if stack else ""))
                 lines.extend("    " + ln for f in user_frames(stack) for ln in f.rstrip().splitlines())
-        behind = [r for r, (state, _) in self.others.items() if "issued" in state]
+        behind = [r for r, n in self.issued.items() if r not in self.blocked and n < first["seq"]]
         if behind:
             lines.append(f"  {label_ranks(sorted(behind))} never reached collective #{first['seq']}: "
                          "the ranks disagree on the order of collectives")
@@ -120,9 +115,9 @@ class HangWatch:
 
     STACK_WAIT_S = 1.0  # how long to wait for the stacks of ranks running Python
 
-    def __init__(self, cluster, children, notify=None):
+    def __init__(self, cluster, children):
         self.cluster, self.children = cluster, children
-        self.notify = notify or (lambda text: print(text, file=sys.stderr, flush=True))
+
         self.reports: dict[int, dict] = {}
         self.stacks: dict[int, dict] = {}
         self.asked_at: float | None = None
@@ -131,12 +126,11 @@ class HangWatch:
 
     def tick(self) -> None:
         for rank, f in self.children:
-            data = f.output.metadata.get("data") or {}
-            for key, value in data.items():
-                if key.startswith("nbtool-hang:") and rank not in self.reports:
+            for _, value in protocol.entries(f, "hang"):
+                if rank not in self.reports:
                     self.reports[rank] = value
-                elif key.startswith("nbtool-stack:"):
-                    self.stacks[rank] = value
+            for _, value in protocol.entries(f, "stack"):
+                self.stacks[rank] = value
         new = set(self.reports) - self.printed
         if not new:
             return
@@ -144,7 +138,7 @@ class HangWatch:
         if self.asked_at is None and running:
             self.asked_at = time.perf_counter()
             try:
-                self.cluster.signal(running, "SIGUSR1")  # rank_stack handler: publishes its stack
+                self.cluster.signal(running, "SIGUSR1")  # the watchdog's SIGUSR1 handler publishes its stack
             except Exception:
                 pass
         waiting = [r for r in running if r not in self.stacks]
@@ -153,7 +147,7 @@ class HangWatch:
         self.last = self._report(running)
         self.last.reported_at = time.time()
         self.cluster.last_hang = self.last
-        self.notify(self.last.text())
+        print(self.last.text(), file=sys.stderr, flush=True)
         self.printed |= set(self.reports)
 
     def _report(self, running: list[int]) -> HangReport:
@@ -175,11 +169,13 @@ class HangWatch:
                 else:
                     rep.others[rank] = (f"running Python, not in a collective; {s['issued']} collective(s) issued",
                                         s.get("stack", []))
+                    rep.issued[rank] = s["issued"]
             else:
                 where = "finished the cell" if rank in in_cell else "not running this cell"
                 try:
                     st = self.cluster.view([rank]).apply_async(watchdog.state).get(timeout=2.0)[0]
                     rep.others[rank] = (f"{where}; {st['issued']} collective(s) issued", [])
+                    rep.issued[rank] = st["issued"]
                 except Exception:
                     rep.others[rank] = (f"{where}; did not answer", [])
         return rep
@@ -218,7 +214,7 @@ INTERRUPT_GRACE_S = 3.0
 RELEASE_GRACE_S = 3.0
 
 
-def release(cluster, ar, children, late: list[int], progress, unresponsive: list[int] = ()) -> Release:
+def release(cluster, children, late: list[int], progress, unresponsive: list[int] = ()) -> Release:
     """Stop ``late`` ranks: SIGINT, then close the process group on idle ranks, then restart.
 
     ``unresponsive`` ranks (engines that do not answer at all) are neither

@@ -1,13 +1,15 @@
 """IPython magics: parse the line, check it, call one function below.
 
 Every user mistake becomes a short UsageError naming the bad value and what
-is allowed; nothing here starts work before the line is known to be valid.
+is allowed. A line is checked in full before anything runs; the only work
+done first is asking a running cluster for facts a check needs (%dist_plan
+reads the ranks' hardware to resolve its defaults).
 """
 from __future__ import annotations
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
 from .options import (
@@ -23,9 +25,9 @@ from .options import (
     strategy_options_given,
     strategy_spec,
 )
-from .rank.strategies.spec import NAMES as STRATEGIES
-from .rank.strategies.spec import SCHEDULES
-from .rank.strategies.spec import OFFLOADS, PRECISIONS
+from .spec import GROUPS as OPTION_GROUPS
+from .spec import NAMES as STRATEGIES
+from .spec import OPTION_FIELDS, PRECISIONS
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
@@ -40,7 +42,8 @@ def parse_argstring(magic, line: str):
 
 def _cell_options(f):
     """Options shared by %%distributed and %%rank."""
-    for a in (
+    for a in reversed((
+        argument_group("cell options"),
         argument("--timeout", type=positive_seconds, default=None,
                  help="stop the cell after SECONDS, naming the ranks that had not finished"),
         argument("--quiet", action="store_true",
@@ -48,69 +51,56 @@ def _cell_options(f):
         argument("--collective-timeout", type=positive_seconds, default=None, metavar="SECONDS",
                  help="the hang watchdog reports a collective still running after SECONDS "
                       "(default: the cluster's, 60)"),
-    ):
+    )):
         f = a(f)
     return f
 
 
+ARG_TYPES = {"positive_int": positive_int, "positive_number": positive_number, "int": int}
+
+
+def _option_arguments(fld) -> list:
+    """The argparse arguments of one StrategySpec option field (see nbtool.spec.option)."""
+    meta = fld.metadata
+    name = meta["flag"] or "--" + fld.name.replace("_", "-")
+    extra = dict(meta["argparse"])
+    kind = meta["kind"]
+    if kind == "switch":
+        return [argument(name, dest=fld.name, action="store_true", help=meta["help"])]
+    if kind == "off":
+        return [argument(name, dest=fld.name, action="store_true", default=True, help="(the default)"),
+                argument("--no-" + name[2:], dest=fld.name, action="store_false", help=meta["help"])]
+    if kind == "both":
+        return [argument(name, dest=fld.name, action="store_true", default=None, help=meta["help"]),
+                argument("--no-" + name[2:], dest=fld.name, action="store_false", default=None)]
+    if "type" in extra:
+        extra["type"] = ARG_TYPES.get(extra["type"], str)
+    return [argument(name, dest=fld.name, default=meta["arg_default"], help=meta["help"], **extra)]
+
+
+# options of a strategy line that are not part of the spec: how nbtool runs and records the cell
+RUN_OPTIONS = (
+    argument("--export-config", default=None, metavar="FILE",
+             help="zero*: write the exact DeepSpeed JSON used to FILE"),
+    argument("--no-metrics", dest="metrics", action="store_false", default=True,
+             help="do not record collectives, memory and steps for this cell"),
+    argument("--no-watch", dest="watch", action="store_false", default=True,
+             help="record, but show no live dashboard under the cell"),
+    argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
+)
+
+
 def _strategy_options(f):
-    """Options of %%distributed STRATEGY (checked against the strategy in spec.validate)."""
-    for a in (
-        argument("--precision", choices=PRECISIONS, default=None,
-                 help="fp32 (default); bf16/fp16 mixed precision as each strategy implements it"),
-        argument("--grad-accum", type=positive_int, default=None, metavar="N",
-                 help="accumulate gradients over N backward() calls per optimizer step"),
-        argument("--activation-checkpointing", nargs="?", const="", default=None, metavar="CLASS",
-                 help="recompute activations of modules of CLASS in backward (default: the repeated block)"),
-        argument("--seed", type=int, default=None, help="seed torch/random/numpy on every rank (default 0)"),
-        argument("--grad-clip", type=positive_number, default=None, metavar="NORM",
-                 help="clip the global gradient norm at NORM before each step (default: no clipping)"),
-        argument("--bucket-mb", type=positive_number, default=None, help="ddp: gradient bucket size in MiB"),
-        argument("--grad-as-bucket-view", action="store_true", help="ddp: gradients are views into buckets"),
-        argument("--static-graph", action="store_true", help="ddp: the graph is the same every step"),
-        argument("--reshard-after-forward", dest="reshard_after_forward", action="store_true", default=True,
-                 help="fsdp: free gathered parameters after forward (ZeRO-3-like; default)"),
-        argument("--no-reshard-after-forward", dest="reshard_after_forward", action="store_false",
-                 help="fsdp: keep them until backward (ZeRO-2-like)"),
-        argument("--wrap", default=None, metavar="CLASS[,CLASS]",
-                 help="fsdp: shard modules of these classes as their own units (root wrapped last)"),
-        argument("--offload", nargs="?", const="both", choices=OFFLOADS, default=None,
-                 help="fsdp: CPUOffloadPolicy; zero*: offload optimizer, params (zero3) or both to cpu"),
-        argument("--overlap-comm", dest="overlap_comm", action="store_true", default=None,
-                 help="zero*: overlap gradient reduction with backward"),
-        argument("--no-overlap-comm", dest="overlap_comm", action="store_false", default=None),
-        argument("--contiguous-gradients", dest="contiguous_gradients", action="store_true", default=None,
-                 help="zero*: copy gradients into one contiguous buffer"),
-        argument("--no-contiguous-gradients", dest="contiguous_gradients", action="store_false", default=None),
-        argument("--reduce-bucket-mb", type=positive_number, default=None, help="zero*: reduce bucket size, MiB"),
-        argument("--allgather-bucket-mb", type=positive_number, default=None, help="zero*: all-gather bucket, MiB"),
-        argument("--micro-batch", type=positive_int, default=None,
-                 help="zero*: train_micro_batch_size_per_gpu in the config (default 8)"),
-        argument("--ds-config", default=None, metavar="FILE", help="zero*: start from this DeepSpeed JSON"),
-        argument("--export-config", default=None, metavar="FILE",
-                 help="zero*: write the exact DeepSpeed JSON used to FILE"),
-        argument("--dp", type=positive_int, default=None, metavar="D",
-                 help="tp/pp/fsdp: data-parallel size of the layout (default: the ranks left over)"),
-        argument("--tp", type=positive_int, default=None, metavar="T",
-                 help="tp/pp/fsdp: tensor-parallel size (DTensor ColwiseParallel/RowwiseParallel plan)"),
-        argument("--pp", type=positive_int, default=None, metavar="P",
-                 help="tp/pp/fsdp: pipeline stages (torch.distributed.pipelining)"),
-        argument("--sp", action="store_true",
-                 help="tp: sequence parallelism (activations split along the sequence outside TP regions)"),
-        argument("--microbatches", type=positive_int, default=None, metavar="M",
-                 help="pp: micro-batches per batch (default 2 x pp)"),
-        argument("--schedule", choices=SCHEDULES, default=None, help="pp: gpipe or 1f1b (default 1f1b)"),
-        argument("--no-metrics", dest="metrics", action="store_false", default=True,
-                 help="do not record collectives, memory and steps for this cell"),
-        argument("--no-watch", dest="watch", action="store_false", default=True,
-                 help="record, but show no live dashboard under the cell"),
-        argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
-        argument("--checkpoint-every", type=positive_int, default=None, metavar="N",
-                 help="save a checkpoint (strategy.save) every N optimizer steps"),
-        argument("--checkpoint-dir", default=None, metavar="DIR",
-                 help="where --checkpoint-every saves (default: ./checkpoints)"),
-    ):
-        f = a(f)
+    """Options of %%distributed STRATEGY: generated from StrategySpec's fields (nbtool.spec), in sections."""
+    decorators = []
+    for group in OPTION_GROUPS:
+        decorators.append(argument_group(group))
+        for fld in OPTION_FIELDS:
+            if fld.metadata["group"] == group:
+                decorators += _option_arguments(fld)
+    decorators += [argument_group("run options"), *RUN_OPTIONS]
+    for d in reversed(decorators):  # IPython applies decorators in reverse source order
+        f = d(f)
     return f
 
 
@@ -129,7 +119,10 @@ class NbtoolMagics(Magics):
 
     def __init__(self, shell):
         super().__init__(shell)
+        from .actions.state import Session
+
         self.rank_cluster = None  # RankCluster, imported lazily (ipyparallel is slow to import)
+        self.session = Session()  # what the kernel remembers between cells (recorded runs, last %commbench)
 
     # -- helpers ---------------------------------------------------------
     @property
@@ -162,7 +155,7 @@ class NbtoolMagics(Magics):
         ``%cluster status`` shows a row per rank, ``%cluster stop`` ends it,
         ``%cluster restart`` brings up fresh engines with the same options.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.cluster, line)
         start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
@@ -183,18 +176,18 @@ class NbtoolMagics(Magics):
                     f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "
                     "use %cluster restart for fresh engines, or %cluster stop first"
                 )
-            self.rank_cluster = session.start(opts, self.in_kernel)
+            self.rank_cluster = actions.cluster.start(opts, self.in_kernel)
         elif args.action == "status":
-            return session.status(self._require_cluster())
+            return actions.cluster.status(self._require_cluster())
         elif args.action == "stop":
             if self.rank_cluster is None:
                 raise UsageError("no cluster is running; nothing to stop")
-            session.stop(self.rank_cluster)
+            self.rank_cluster.stop()
             self.rank_cluster = None
         else:
             if self.rank_cluster is None:
                 raise UsageError(NO_CLUSTER)
-            session.restart(self.rank_cluster, self.in_kernel)
+            actions.cluster.restart(self.rank_cluster, self.in_kernel)
 
     # -- %%distributed / %%rank -------------------------------------------
     @magic_arguments()
@@ -241,9 +234,9 @@ class NbtoolMagics(Magics):
         if args.ranks is not None:
             raise UsageError(f"--ranks does not apply with a strategy: {args.strategy} runs on every rank")
         spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind, cluster.layout.n)
-        from . import session
+        from . import actions
 
-        session.run_strategy(cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
+        actions.run.run_strategy(self.session, cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
                              quiet=args.quiet, export_config=args.export_config, metrics=args.metrics,
                              watch=args.watch, name=args.name, collective_timeout=args.collective_timeout)
 
@@ -251,7 +244,7 @@ class NbtoolMagics(Magics):
         """%%distributed compare ddp, fsdp --precision bf16, zero3 --offload both"""
         import re
 
-        from . import session
+        from . import actions
 
         body = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
         names = "|".join(STRATEGIES)
@@ -280,7 +273,7 @@ class NbtoolMagics(Magics):
             timeout = args.timeout if args.timeout is not None else timeout
             collective_timeout = args.collective_timeout or collective_timeout
             quiet = quiet or args.quiet
-        session.compare(cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet,
+        actions.run.compare(self.session, cluster, cell, runs, in_kernel=self.in_kernel, timeout=timeout, quiet=quiet,
                         collective_timeout=collective_timeout)
 
     @magic_arguments()
@@ -297,11 +290,12 @@ class NbtoolMagics(Magics):
         and comm time, final loss; ratios to the first run) and plots.
         Quote names with spaces: ``%dist_compare ddp "fsdp --wrap Block"``.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
-        session.show_comparison(session.stored_runs(names), self.in_kernel, args.deterministic)
+        actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
+                                        args.deterministic)
 
     @magic_arguments()
     @argument("action", choices=["export"], help="what to do")
@@ -310,10 +304,10 @@ class NbtoolMagics(Magics):
     @line_magic
     def dist_metrics(self, line=""):
         """Export a recorded run: ``%dist_metrics export run.json`` (read back with nbtool.metrics.load)."""
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_metrics, line)
-        print(session.export_run(args.path, args.name))
+        print(actions.metrics.export_run(self.session, args.path, args.name))
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")
@@ -326,11 +320,11 @@ class NbtoolMagics(Magics):
         return self._run(cell, args.ranks, args)
 
     def _run(self, cell, ranks_spec, args):
-        from . import session
+        from . import actions
 
         cluster = self._require_cluster()
         ranks = parse_ranks(ranks_spec, cluster.world_size)
-        session.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet,
+        actions.run.run(cluster, cell, ranks, in_kernel=self.in_kernel, timeout=args.timeout, quiet=args.quiet,
                     collective_timeout=args.collective_timeout)
 
     # -- %commbench -----------------------------------------------------------
@@ -356,7 +350,7 @@ class NbtoolMagics(Magics):
         CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
         to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
         """
-        from . import session
+        from . import actions
         from .commbench import BENCH_OPS, DTYPES, size_sweep
 
         args = parse_argstring(self.commbench, line)
@@ -381,7 +375,7 @@ class NbtoolMagics(Magics):
         ranks = parse_ranks(args.ranks, cluster.world_size)
         if len(ranks) < 2:
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
-        return session.commbench(cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
+        return actions.commbench.commbench(self.session, cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
                                  args.inplace, self.in_kernel, label=args.label)
 
     # -- %dist_plan -----------------------------------------------------------
@@ -407,12 +401,12 @@ class NbtoolMagics(Magics):
         last recorded run. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
         ``HARDWARE_PRESETS``; measured ``%commbench`` bandwidth is used when present.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_plan, line)
         if args.vs_last:
-            return session.plan_vs_last()
-        return session.plan(args, self.rank_cluster, self.in_kernel, self.shell)
+            return actions.plan.plan_vs_last(self.session)
+        return actions.plan.plan(self.session, args, self.rank_cluster, self.in_kernel, self.shell)
 
     # -- %dist_checkpoint -----------------------------------------------------
     @magic_arguments()
@@ -430,7 +424,7 @@ class NbtoolMagics(Magics):
         optimizer state under the strategy and world size that saved it).
         Saves are atomic: a crash mid-save leaves the previous one loadable.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_checkpoint, line)
         if args.action == "save" and not args.optimizer:
@@ -444,7 +438,7 @@ class NbtoolMagics(Magics):
             if latest_dir(args.path) is None:
                 what = "does not exist" if not os.path.exists(args.path) else "holds no complete checkpoint"
                 raise UsageError(f"checkpoint {args.path!r} {what}; save one with %dist_checkpoint save PATH")
-        session.checkpoint(cluster, args.action, args.path, args.optimizer)
+        actions.checkpoint.checkpoint(cluster, args.action, args.path, args.optimizer)
 
     # -- %dist_push / %dist_pull -----------------------------------------
     @magic_arguments()
@@ -453,7 +447,7 @@ class NbtoolMagics(Magics):
     @line_magic
     def dist_push(self, line=""):
         """Copy kernel variables into every rank's namespace (or ``--ranks``)."""
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_push, line)
         missing = [n for n in args.names if n not in self.shell.user_ns]
@@ -461,7 +455,7 @@ class NbtoolMagics(Magics):
             raise UsageError(f"{missing[0]!r} is not defined in the kernel; define it before %dist_push")
         cluster = self._require_cluster()
         ranks = parse_ranks(args.ranks, cluster.world_size)
-        session.push(cluster, {n: self.shell.user_ns[n] for n in args.names}, ranks)
+        actions.transfer.push(cluster, {n: self.shell.user_ns[n] for n in args.names}, ranks)
 
     @magic_arguments()
     @argument("names", nargs="+", help="rank variables to copy into the kernel")
@@ -474,7 +468,7 @@ class NbtoolMagics(Magics):
         ``%dist_pull loss --rank 0`` sets ``loss`` to rank 0's value;
         ``%dist_pull loss`` sets ``loss`` to ``[value on rank 0, value on rank 1, ...]``.
         """
-        from . import session
+        from . import actions
 
         args = parse_argstring(self.dist_pull, line)
         cluster = self._require_cluster()
@@ -482,5 +476,5 @@ class NbtoolMagics(Magics):
             raise UsageError(
                 f"--rank {args.rank} does not exist; this cluster has ranks {format_ranks(range(cluster.world_size))}"
             )
-        values = session.pull(cluster, args.names, args.rank)
+        values = actions.transfer.pull(cluster, args.names, args.rank)
         self.shell.user_ns.update(values)

@@ -13,7 +13,7 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: the run description is a RunDescription
 
 LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
 
@@ -178,15 +178,26 @@ class PipelineStep:
 
     @property
     def bubble_theory(self) -> float:
-        return (self.stages - 1) / (self.microbatches + self.stages - 1)
+        from .spec import bubble_fraction
+
+        return bubble_fraction(self.stages, self.microbatches)
 
 
-RECORD_TYPES = {c.__name__: c for c in (CommRecord, MemorySample, StepMarker, ScalarRecord, MemoryLedger,
-                                         PipelineStep)}
 # RunRecords list -> record type (JSON keys), and the CSV "kind" of each
 KINDS = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord,
          "pipeline": PipelineStep}
 CSV_KINDS = {"comm": "comms", "memory": "memory", "step": "steps", "scalar": "scalars", "pipeline": "pipeline"}
+
+
+@dataclass
+class RunDescription:
+    """What a run was: the strategy's own ``describe()`` (for people), and what the planner reads."""
+
+    details: dict = field(default_factory=dict)  # strategy.describe(): wrapper, sharding, plan, units ...
+    param_numels: list = field(default_factory=list)  # elements of each parameter of the plain model
+    precision: str = "fp32"
+    reshard_after_forward: bool = True  # fsdp's option
+    dims: tuple | None = None  # (dp, tp, pp) of a tp / pp / fsdp x tp layout; None for the others
 
 
 @dataclass
@@ -198,7 +209,7 @@ class RunRecords:
     world_size: int
     t_start: float
     t_end: float | None = None
-    description: dict = field(default_factory=dict)
+    description: RunDescription = field(default_factory=RunDescription)
     comms: list = field(default_factory=list)
     memory: list = field(default_factory=list)
     steps: list = field(default_factory=list)
@@ -212,8 +223,8 @@ class RunRecords:
             lists[type(r)].append(r)
 
     def to_json(self) -> dict:
-        d = {k: getattr(self, k) for k in ("name", "strategy", "world_size", "t_start", "t_end",
-                                             "description", "schema")}
+        d = {k: getattr(self, k) for k in ("name", "strategy", "world_size", "t_start", "t_end", "schema")}
+        d["description"] = asdict(self.description)
         for key in KINDS:
             d[key] = [asdict(r) for r in getattr(self, key)]
         return d
@@ -222,7 +233,10 @@ class RunRecords:
     def from_json(cls, d: dict) -> "RunRecords":
         if d.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"record schema {d.get('schema')} is not {SCHEMA_VERSION} (this nbtool)")
-        run = cls(**{k: d[k] for k in ("name", "strategy", "world_size", "t_start", "t_end", "description")})
+        run = cls(**{k: d[k] for k in ("name", "strategy", "world_size", "t_start", "t_end")},
+                  description=RunDescription(**d.get("description", {})))
+        if run.description.dims is not None:
+            run.description.dims = tuple(run.description.dims)
         for key, kind in KINDS.items():
             getattr(run, key).extend(kind(**r) for r in d.get(key, []))
         return run

@@ -153,47 +153,42 @@ def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
     return Layout(n, "gloo", None)
 
 
-def strategy_spec(args, backend: str | None, device_kind: str, world_size: int | None = None):
-    """A checked StrategySpec from parsed %%distributed arguments (UsageError if not valid)."""
+def _load_json(path: str) -> dict:
     import json
 
-    from .rank.strategies.spec import SpecError, StrategySpec, validate
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise UsageError(f"--ds-config {path!r}: {e.strerror}") from None
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--ds-config {path!r} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise UsageError(f"--ds-config {path!r}: expected a JSON object")
+    return cfg
 
-    ds_config = None
-    if args.ds_config:
-        try:
-            with open(args.ds_config) as f:
-                ds_config = json.load(f)
-        except OSError as e:
-            raise UsageError(f"--ds-config {args.ds_config!r}: {e.strerror}") from None
-        except json.JSONDecodeError as e:
-            raise UsageError(f"--ds-config {args.ds_config!r} is not valid JSON: {e}") from None
-        if not isinstance(ds_config, dict):
-            raise UsageError(f"--ds-config {args.ds_config!r}: expected a JSON object")
-    spec = StrategySpec(
-        name=args.strategy,
-        precision=args.precision or "fp32",
-        grad_accum=args.grad_accum or 1,
-        activation_checkpointing=args.activation_checkpointing,
-        seed=args.seed if args.seed is not None else 0,
-        grad_clip=args.grad_clip,
-        bucket_mb=args.bucket_mb,
-        grad_as_bucket_view=args.grad_as_bucket_view,
-        static_graph=args.static_graph,
-        reshard_after_forward=args.reshard_after_forward,
-        wrap=tuple(w.strip() for w in args.wrap.split(",") if w.strip()) if args.wrap else (),
-        offload=args.offload,
-        overlap_comm=args.overlap_comm,
-        contiguous_gradients=args.contiguous_gradients,
-        reduce_bucket_mb=args.reduce_bucket_mb,
-        allgather_bucket_mb=args.allgather_bucket_mb,
-        micro_batch=args.micro_batch or 8,
-        ds_config=ds_config,
-        checkpoint_every=args.checkpoint_every,
-        checkpoint_dir=args.checkpoint_dir,
-        dp=args.dp, tp=args.tp, pp=args.pp, sp=args.sp,
-        microbatches=args.microbatches, schedule=args.schedule,
-    )
+
+# option values that argparse keeps as text and the spec holds in another form
+CONVERT = {"class_list": lambda text: tuple(w.strip() for w in text.split(",") if w.strip()),
+           "json_file": _load_json}
+
+
+def strategy_spec(args, backend: str | None, device_kind: str, world_size: int | None = None):
+    """A checked StrategySpec from parsed %%distributed arguments (UsageError if not valid).
+
+    One loop over the option table (nbtool.spec): an option the line left out
+    keeps the field's default.
+    """
+    from .spec import OPTION_FIELDS, SpecError, StrategySpec, validate
+
+    values = {}
+    for f in OPTION_FIELDS:
+        value = getattr(args, f.name)
+        if value is None:
+            continue
+        convert = CONVERT.get(f.metadata["argparse"].get("type"))
+        values[f.name] = convert(value) if convert else value
+    spec = StrategySpec(name=args.strategy, **values)
     try:
         validate(spec, backend, device_kind, world_size)
     except SpecError as e:
@@ -203,21 +198,16 @@ def strategy_spec(args, backend: str | None, device_kind: str, world_size: int |
     return spec
 
 
-STRATEGY_ONLY_OPTIONS = (
-    "precision", "grad_accum", "activation_checkpointing", "seed", "grad_clip", "bucket_mb", "wrap", "offload",
-    "overlap_comm", "contiguous_gradients", "reduce_bucket_mb", "allgather_bucket_mb", "micro_batch",
-    "ds_config", "export_config", "name", "checkpoint_every", "checkpoint_dir",
-    "dp", "tp", "pp", "microbatches", "schedule",
-)
-FLAG_OPTIONS = {"sp": False, "grad_as_bucket_view": False, "static_graph": False, "reshard_after_forward": True,
-                "metrics": True, "watch": True}
+# the run options' values when absent (they are not spec fields)
+RUN_DEFAULTS = {"export_config": None, "name": None, "metrics": True, "watch": True}
+RUN_FLAGS = {"export_config": "--export-config", "name": "--name", "metrics": "--no-metrics", "watch": "--no-watch"}
 
 
 def strategy_options_given(args) -> list[str]:
     """The strategy options on a line that has no strategy word (to refuse them)."""
-    given = [o for o in STRATEGY_ONLY_OPTIONS if getattr(args, o) is not None]
-    given = ["--" + o.replace("_", "-") for o in given]
-    flags = {"reshard_after_forward": "--no-reshard-after-forward", "metrics": "--no-metrics", "watch": "--no-watch"}
-    given += [flags.get(o, "--" + o.replace("_", "-")) for o, default in FLAG_OPTIONS.items()
-              if getattr(args, o) != default]
-    return given
+    from .spec import OPTION_FIELDS, flag_of
+
+    absent = {"switch": False, "off": True, "both": None}
+    given = [flag_of(f) for f in OPTION_FIELDS
+             if getattr(args, f.name) != absent.get(f.metadata["kind"], f.metadata["arg_default"])]
+    return given + [RUN_FLAGS[k] for k, v in RUN_DEFAULTS.items() if getattr(args, k) != v]

@@ -21,6 +21,8 @@ for each attention and MLP block. The process group is passed in explicitly.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -68,6 +70,16 @@ def _shard(full: torch.Tensor, dim: int, group) -> torch.Tensor:
     return full.chunk(p, dim=dim)[i].clone()
 
 
+def _init_shard(weight, full_shape, dim: int, group, init_method=None) -> None:
+    """Megatron's initialisation: initialise the whole weight (same seed on every rank) and keep this
+    rank's part, so the sharded layer starts as the nn.Linear it splits would (``init_method``
+    defaults to nn.Linear's kaiming-uniform; biases start at zero, as Megatron's do)."""
+    full = torch.empty(full_shape, dtype=weight.dtype, device=weight.device)
+    (init_method or (lambda w: nn.init.kaiming_uniform_(w, a=math.sqrt(5))))(full)
+    with torch.no_grad():
+        weight.copy_(_shard(full, dim, group))
+
+
 class ColumnParallelLinear(nn.Module):
     """Y_i = X A_i + b_i: this rank's ``out_features / p`` output columns (the weight's rows).
 
@@ -75,7 +87,8 @@ class ColumnParallelLinear(nn.Module):
     last dimension, ready for a RowParallelLinear (Megatron's gather_output=False).
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 init_method=None):
         super().__init__()
         self.group = group
         p = dist.get_world_size(group)
@@ -84,6 +97,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features // p, in_features))
         self.bias = nn.Parameter(torch.zeros(out_features // p)) if bias else None
+        _init_shard(self.weight, (out_features, in_features), 0, group, init_method)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None) -> "ColumnParallelLinear":
@@ -106,7 +120,8 @@ class RowParallelLinear(nn.Module):
     input_is_parallel=True); the bias is added once, after the reduction.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, group=None,
+                 init_method=None):
         super().__init__()
         self.group = group
         p = dist.get_world_size(group)
@@ -115,6 +130,7 @@ class RowParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features // p))
         self.bias = nn.Parameter(torch.zeros(out_features)) if bias else None
+        _init_shard(self.weight, (out_features, in_features), 1, group, init_method)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, group=None) -> "RowParallelLinear":

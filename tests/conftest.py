@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
+# IPython and ipyparallel profiles of the test session live here, never in the user's ~/.ipython
+os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nbtool-tests-ipython-")
 sys.path.insert(0, os.path.dirname(__file__))
 
 
@@ -25,13 +28,36 @@ def ip():
 
 @pytest.fixture(scope="session")
 def cluster(ip):
-    """The session's 2-rank CPU cluster (restarted by tests that break it)."""
+    """The session's 2-rank CPU RankCluster (tests that break it restart it in place)."""
     magics = ip.magics_manager.registry["NbtoolMagics"]
     if magics.rank_cluster is None:
         ip.run_line_magic("cluster", "start -n 2")
-    yield magics
+    yield magics.rank_cluster
     if magics.rank_cluster is not None:
         ip.run_line_magic("cluster", "stop")
+
+
+@pytest.fixture(scope="module")
+def make_cluster(ip, cluster):
+    """``make_cluster(n)``: an n-rank cluster that the magics use for this module.
+
+    The session's cluster stays up, parked, and is put back (the module's
+    cluster stopped) when the module ends, passed or failed.
+    """
+    magics = ip.magics_manager.registry["NbtoolMagics"]
+    made = []
+
+    def make(n: int):
+        magics.rank_cluster = None  # parked: %cluster start makes a new one
+        ip.run_line_magic("cluster", f"start -n {n}")
+        made.append(magics.rank_cluster)
+        return magics.rank_cluster
+
+    yield make
+    for rc in made:
+        if rc is not None and rc.running:
+            rc.stop()
+    magics.rank_cluster = cluster
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -28,10 +28,6 @@ for i in range(100000):
 """
 
 
-def _rank_cluster(cluster):
-    return cluster.rank_cluster
-
-
 def _restart(ip, capsys):
     res, _, _ = run(ip, capsys, "%cluster restart")
     assert res.success
@@ -40,7 +36,7 @@ def _restart(ip, capsys):
 
 
 def test_rank_killed_mid_collective(ip, cluster, capsys):
-    rc = _rank_cluster(cluster)
+    rc = cluster
     victim, survivor = rc.pids[1], rc.pids[0]
     killed_at = []
 
@@ -72,7 +68,7 @@ def test_rank_killed_mid_collective(ip, cluster, capsys):
 
 
 def test_engine_lost_while_idle_is_named_at_the_next_cell(ip, cluster, capsys):
-    rc = _rank_cluster(cluster)
+    rc = cluster
     os.kill(rc.pids[0], signal.SIGKILL)
     deadline = time.perf_counter() + 10
     while rc.lost_ranks() != [0] and time.perf_counter() < deadline:
@@ -87,7 +83,7 @@ def test_engine_lost_while_idle_is_named_at_the_next_cell(ip, cluster, capsys):
 
 def test_frozen_engine_is_named_at_the_next_cell_not_a_stall(ip, cluster, capsys):
     """An engine that stops responding while idle (SIGSTOP, as a suspended machine would)."""
-    rc = _rank_cluster(cluster)
+    rc = cluster
     os.kill(rc.pids[1], signal.SIGSTOP)
     try:
         t0 = time.perf_counter()
@@ -105,7 +101,7 @@ def test_frozen_engine_is_named_at_the_next_cell_not_a_stall(ip, cluster, capsys
 
 
 def test_hang_is_reported_with_op_sequence_and_stacks(ip, cluster, capsys):
-    rc = _rank_cluster(cluster)
+    rc = cluster
     t0 = time.perf_counter()
     res, out, err = run(ip, capsys, """%%distributed --collective-timeout 3 --timeout 12
 x = torch.ones(256)
@@ -124,7 +120,7 @@ else:
     assert text in err  # printed while the cell ran
     assert "rank 0 blocked in a collective for more than 3s" in text
     # sequence numbers count every collective of the engine's life
-    seq = int(re.search(r"rank 0: in all_reduce #(\d+) \(1\.0 KiB, float32, group of 2\)", text).group(1))
+    seq = int(re.search(r"rank 0: in all_reduce #(\d+) \(1\.00 KiB, float32, group of 2\)", text).group(1))
     assert "dist.all_reduce(x)          # rank 1 skips this one" in text  # rank 0's Python line
     assert f"rank 1: running Python, not in a collective; {seq - 1} collective(s) issued" in text
     assert "time.sleep(0.05)" in text  # rank 1's stack, through SIGUSR1
@@ -182,7 +178,7 @@ if rank == 0:
 
 
 def test_interrupt_with_every_rank_blocked_restarts_the_engines(ip, cluster, capsys):
-    rc = _rank_cluster(cluster)
+    rc = cluster
     old = list(rc.pids)
     timer = threading.Timer(1.5, _thread.interrupt_main)
     timer.start()

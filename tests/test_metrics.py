@@ -8,7 +8,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from helpers import run
-from nbtool import metrics, run_analysis, session
+import nbtool
+from nbtool import metrics, run_analysis
 from nbtool.example_models import TinyTransformer
 from nbtool.metrics import CommRecord, MemorySample, RunRecords, ScalarRecord, StepMarker
 
@@ -46,7 +47,7 @@ def ranks(ip, cluster):
 
 def record(ip, line: str, steps: int = 4) -> RunRecords:
     ip.run_cell(f"%%distributed {line} --quiet\n_ledger = _fit(strategy, {steps})").raise_error()
-    return session.LAST[0]
+    return nbtool.last_run()
 
 
 def per_step(run: RunRecords, rank: int = 0) -> list[dict]:
@@ -64,7 +65,7 @@ def test_ddp_all_reduce_bytes_equal_gradient_bytes(ranks):
     assert c.clock == "wall" and c.group_size == 2 and c.dtype == "float32"
     assert c.busbw == pytest.approx(c.algbw * 2 * (2 - 1) / 2)
     assert c.algbw == pytest.approx(c.size_bytes / c.seconds)
-    assert rec.description["comm_hook"].startswith("default_hooks.allreduce_hook")
+    assert rec.description.details["comm_hook"].startswith("default_hooks.allreduce_hook")
 
 
 def test_ddp_buckets_follow_bucket_size(ranks):
@@ -77,7 +78,7 @@ def test_ddp_buckets_follow_bucket_size(ranks):
 @pytest.mark.parametrize("flags,gathers", [("", 2), ("--no-reshard-after-forward", 1)])
 def test_fsdp_collectives_match_units_and_passes(ranks, flags, gathers):
     rec = record(ranks, f"fsdp --wrap Block {flags}")
-    units = len(rec.description["units"])
+    units = len(rec.description.details["units"])
     assert units == 3
     for row in per_step(rec):
         # each unit: all-gather before forward (and again before backward when resharded),
@@ -126,9 +127,9 @@ def test_straggler_spread_pairs_the_same_collective(ranks):
 
 
 def test_no_metrics_records_nothing(ranks):
-    before = list(session.LAST)
+    before = nbtool.last_run()
     ranks.run_cell("%%distributed ddp --no-metrics --quiet\n_fit(strategy, 1)").raise_error()
-    assert session.LAST == before
+    assert nbtool.last_run() is before
     ranks.run_cell("%%rank 0\nimport torch.distributed as d\n_w = getattr(d.all_reduce, '_nbtool_wrapped', False)")
     ranks.run_line_magic("dist_pull", "_w --rank 0")
     assert ranks.user_ns["_w"] is False  # torch.distributed restored after every run

@@ -8,12 +8,12 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from nbtool import session
+import nbtool
 from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from nbtool.execution import RankError
 from nbtool.magics import parse_strategy_line
 from nbtool.plan import HARDWARE_PRESETS, MODEL_PRESETS, Training, recommend
-from nbtool.rank.strategies.spec import SpecError, StrategySpec, parallel_dims
+from nbtool.spec import ParallelDims, SpecError, StrategySpec
 
 STEPS, BATCH, LR = 4, 8, 0.1
 
@@ -74,7 +74,7 @@ def train(ip, line: str, **kw) -> tuple[list[dict], object]:
     args = "".join(f", {k}={v!r}" for k, v in kw.items())
     ip.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy{args})").raise_error()
     ip.run_line_magic("dist_pull", "_pout")
-    return ip.user_ns["_pout"], session.LAST[0]
+    return ip.user_ns["_pout"], nbtool.last_run()
 
 
 def per_step(run, rank: int, step: int) -> Counter:
@@ -145,7 +145,7 @@ def test_tp_collectives_per_layer_match_megatron(ranks):
     ranks.run_cell("%%distributed tp --quiet\n_m = _ptrain(strategy, layers=2, steps=1)\n"
                    "with torch.no_grad():\n    strategy.model(next(iter(strategy.dataloader(_pdata, 8)))[0])"
                    ).raise_error()
-    run = session.LAST[0]
+    run = nbtool.last_run()
     # after step 1 (full_state_dict's all-gathers aside): the forward of 2 layers
     assert per_step(run, 0, 2)["all_reduce"] == 4
 
@@ -284,7 +284,7 @@ def test_invalid_layout_table(line, world, message):
     ("fsdp --tp 2 --pp 2", 8, (2, 2, 2)), ("tp --tp 2 --pp 2", 4, (1, 2, 2)), ("pp --dp 2", 4, (2, 1, 2)),
 ])
 def test_layout_arithmetic(line, world, dims):
-    assert parallel_dims(parse_strategy_line(line, "gloo", "cpu", world), world) == dims
+    assert tuple(ParallelDims.resolve(parse_strategy_line(line, "gloo", "cpu", world), world)) == dims
 
 
 def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
@@ -296,7 +296,7 @@ def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
     for e in mesh:
         line = e.magic_line(t)
         spec = parse_strategy_line(line, "nccl", "cuda", hw.devices)
-        assert parallel_dims(spec, hw.devices) == (e.dp, e.tp, e.pp), line
+        assert tuple(ParallelDims.resolve(spec, hw.devices)) == (e.dp, e.tp, e.pp), line
         assert spec == e.spec(t), line
         if e.pp > 1:
             assert spec.microbatches == t.grad_accum and "--grad-accum" not in line
@@ -304,7 +304,7 @@ def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
 
 def test_spec_refuses_layout_without_world_size_is_still_checked():
     with pytest.raises(SpecError, match="--sp"):
-        from nbtool.rank.strategies.spec import validate
+        from nbtool.spec import validate
 
         validate(StrategySpec("tp", tp=1, sp=True))
 

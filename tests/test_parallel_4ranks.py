@@ -1,6 +1,6 @@
 """Layouts that need 4 ranks (data parallel x tensor / pipeline), against a single-process reference.
 
-Runs on its own 4-rank cluster, then gives the session its 2-rank cluster back.
+Runs on its own 4-rank cluster (make_cluster); the session's 2-rank cluster waits, parked.
 4 ranks on 2 cores are oversubscribed (each gloo message ~6 ms), so few steps.
 """
 from __future__ import annotations
@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from nbtool import session
+import nbtool
 from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
 
 STEPS, BATCH, LR = 3, 8, 0.1
@@ -36,13 +36,10 @@ def _ptrain(strategy, steps=3, batch=4):
 
 
 @pytest.fixture(scope="module")
-def four(ip, cluster):
-    ip.run_line_magic("cluster", "stop")
-    ip.run_line_magic("cluster", "start -n 4")
+def four(ip, make_cluster):
+    make_cluster(4)
     ip.run_cell(SETUP).raise_error()
-    yield ip
-    ip.run_line_magic("cluster", "stop")
-    ip.run_line_magic("cluster", "start -n 2")
+    return ip
 
 
 def reference():
@@ -83,7 +80,7 @@ def test_4_rank_layouts_match_reference(four, line, dims):
     assert losses == pytest.approx(ref_losses, rel=1e-5)
     for k, v in ref_sd.items():
         torch.testing.assert_close(out[0]["sd"][k], v, rtol=1e-5, atol=1e-5, msg=f"{line}: {k}")
-    run = session.LAST[0]
+    run = nbtool.last_run()
     ops = Counter(c.op for c in run.comms)
     if "pp(2)" in dims:
         assert ops["send"] and ops["recv"] and len({p.stage for p in run.pipeline}) == 2

@@ -36,7 +36,7 @@ def test_nothing_listens_beyond_loopback(ip, cluster):
 
 
 def test_connection_files_and_rendezvous_are_owner_only(ip, cluster):
-    rc = cluster.rank_cluster
+    rc = cluster
     security = pathlib.Path(rc._cluster.profile_dir) / "security"
     files = list(security.glob(f"ipcontroller-{rc._cluster.cluster_id}-*.json"))
     assert {f.name.rsplit("-", 1)[1] for f in files} == {"client.json", "engine.json"}
@@ -70,7 +70,7 @@ def _try_to_run(url_file: str, marker: pathlib.Path) -> None:
 
 
 def test_a_client_without_the_key_cannot_run_code(ip, cluster, tmp_path):
-    rc = cluster.rank_cluster
+    rc = cluster
     marker = tmp_path / "ran-with-wrong-key"
     _try_to_run(_client_file(rc, tmp_path, "0" * 32), marker)
     assert not marker.exists()

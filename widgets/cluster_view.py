@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 from IPython.display import display, update_display
 
+from nbtool.metrics import format_bytes
+
 COLUMNS = ("rank", "engine", "pid", "host", "device", "backend", "rss", "state")
 
 
 def _mib(n) -> str:
-    return f"{n / 2**20:.0f} MiB" if isinstance(n, (int, float)) else "-"
+    return format_bytes(n) if isinstance(n, (int, float)) else "-"
 
 
 @dataclass

@@ -22,7 +22,8 @@ import plotly.graph_objects as go
 from . import front_end
 from plotly.subplots import make_subplots
 
-from nbtool.plan.estimate import PREFERENCE, RESERVE
+from nbtool.plan.estimate import RESERVE
+from nbtool.plan.layouts import PREFERENCE
 from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
 from nbtool.plan.recommend import _label, recommend, runnable_choices
 
@@ -194,10 +195,10 @@ class Picker:
         return None
 
     def export(self) -> str | None:
-        from nbtool.rank.strategies.spec import deepspeed_config, dumps_config
+        from nbtool.spec import deepspeed_config, dumps_config
 
         e = self.selected()
-        if e is None or not e.layout.startswith("zero"):
+        if e is None or not e.layout.is_zero:
             self.message.value = "Only ZeRO layouts have a DeepSpeed config; FSDP/DDP options are the magic line."
             return None
         spec = e.spec(self.training())

@@ -47,6 +47,10 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from ..spec import bubble_fraction
+from .layouts import Layout
+from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
+from .layouts import layout as as_layout
 from .inputs import Hardware, ModelShape, Training
 from .model_states import expected_ledger
 
@@ -55,15 +59,11 @@ RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA 
 DDP_BUCKET = 25 * 2**20
 DEFAULT_SEQ = 2048
 
-DP_LAYOUTS = ("ddp", "fsdp-grad-op", "zero2", "zero1", "fsdp", "zero3",
-              "zero2-offload", "zero3-offload-optimizer", "zero3-offload")
-#: simplest first: ties (within 10% of the best step time) go to the earlier one
-PREFERENCE = DP_LAYOUTS[:6] + ("tp", "pp", "tp-pp") + DP_LAYOUTS[6:]
 
 
 @dataclass
 class Estimate:
-    layout: str
+    layout: Layout
     dp: int
     tp: int = 1
     pp: int = 1
@@ -107,11 +107,6 @@ class Estimate:
     def time_per_sample(self) -> float:
         return self.step_s / self.samples
 
-    @property
-    def runnable(self) -> bool:
-        """Whether nbtool's %%distributed has this layout (all do; options still validate per setup)."""
-        return True
-
     def magic_line(self, t: Training | None = None) -> str:
         """The %%distributed line for this layout and training setup (parses back to the same choice)."""
         t = t or Training()
@@ -124,43 +119,39 @@ class Estimate:
             words.append(f"--grad-accum {t.grad_accum}")
         if t.checkpointing != "none":
             words.append("--activation-checkpointing")
-        if self.layout.startswith("zero"):
+        if self.layout.is_zero:
             words.append(f"--micro-batch {t.micro_batch}")
         return " ".join(words)
 
     def spec(self, t: Training | None = None):
         """The StrategySpec the magic line asks for, for validation and configs."""
-        from ..rank.strategies.spec import StrategySpec
+        from ..spec import StrategySpec
 
         t = t or Training()
-        if self.layout in ("tp", "pp", "tp-pp"):
+        if self.layout.mesh:
             return StrategySpec(self._mesh_word(t), precision=t.precision,
                                 grad_accum=t.grad_accum if self.pp == 1 else 1,
                                 activation_checkpointing="" if t.checkpointing != "none" else None,
                                 dp=self.dp, tp=self.tp if self.tp > 1 else None, pp=self.pp if self.pp > 1 else None,
                                 sp=self.tp > 1, microbatches=t.grad_accum if self.pp > 1 else None)
-        name = {"fsdp-grad-op": "fsdp"}.get(self.layout, self.layout.split("-")[0])
-        offload = {"zero2-offload": "optimizer", "zero3-offload-optimizer": "optimizer",
-                   "zero3-offload": "both"}.get(self.layout)
-        return StrategySpec(name, precision=t.precision, grad_accum=t.grad_accum,
+        lay = self.layout
+        return StrategySpec(lay.strategy, precision=t.precision, grad_accum=t.grad_accum,
                             activation_checkpointing="" if t.checkpointing != "none" else None,
-                            reshard_after_forward=self.layout != "fsdp-grad-op", offload=offload,
-                            micro_batch=t.micro_batch if name.startswith("zero") else 8)
+                            reshard_after_forward=lay.reshard, offload=lay.offload,
+                            micro_batch=t.micro_batch if lay.is_zero else 8)
 
     def _mesh_word(self, t: Training) -> str:
         # tp/pp keep fp32 replicas over dp (as this estimate assumes); mixed precision runs as
         # fsdp over dp with MixedPrecisionPolicy, which also shards the states over dp (less memory)
         if t.precision != "fp32":
             return "fsdp"
-        return "pp" if self.layout == "pp" else "tp"
+        return "pp" if self.layout == "pp" else "tp"  # tp-pp runs as tp --pp
 
     def _strategy_words(self, t: Training | None = None) -> str:
         t = t or Training()
-        return {
-            "ddp": "ddp", "fsdp": "fsdp", "fsdp-grad-op": "fsdp --no-reshard-after-forward",
-            "zero1": "zero1", "zero2": "zero2", "zero3": "zero3", "zero2-offload": "zero2 --offload optimizer",
-            "zero3-offload-optimizer": "zero3 --offload optimizer", "zero3-offload": "zero3 --offload both",
-        }.get(self.layout) or " ".join(
+        if not self.layout.mesh:
+            return self.layout.words()
+        return " ".join(
             [self._mesh_word(t), f"--dp {self.dp}"]
             + ([f"--tp {self.tp}", "--sp"] if self.tp > 1 else []) + ([f"--pp {self.pp}"] if self.pp > 1 else []))
 
@@ -194,7 +185,8 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
     return count * alpha + bus_bytes / bw
 
 
-def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1) -> Estimate:
+def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1) -> Estimate:
+    layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
                  micro_batch=t.micro_batch, micro_batches=t.grad_accum)
@@ -216,7 +208,7 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
     e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
     collectives = 0.0
 
-    if layout in ("tp", "pp", "tp-pp"):
+    if layout.mesh:
         shard = psi / (tp * pp)
         e.device.update(params=4 * shard, grads=4 * shard, optimizer=(8 if adam else 0) * shard)
         bus_dp = 2 * frac * shard * 4
@@ -234,8 +226,8 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
                 p2p = 2 * micro * s * b * h * 2
                 e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
                 e.comm_bus_bytes += p2p
-            e.bubble_s = e.compute_s * (pp - 1) / (micro + pp - 1)
-            e.notes.append(f"pipeline {pp}: bubble (p-1)/(m+p-1) = {(pp - 1) / (micro + pp - 1):.0%} "
+            e.bubble_s = e.compute_s * bubble_fraction(pp, micro)
+            e.notes.append(f"pipeline {pp}: bubble (p-1)/(m+p-1) = {bubble_fraction(pp, micro):.0%} "
                            f"with m={micro} micro-batches (raise --grad-accum to shrink it)")
         exposed = e.comm_s
         dp_s = _collective_s(hw, n * tp * pp, 1, bus_dp) if n > 1 else 0.0
@@ -244,24 +236,22 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
         e.exposed_comm_s = exposed + max(0.0, dp_s - 2 / 3 * e.compute_s)
         return e
 
-    g = 4 if layout in ("ddp", "fsdp", "fsdp-grad-op") or not mixed else 2  # reduction dtype bytes
-    ledger_based = layout in ("ddp", "fsdp", "fsdp-grad-op") or not (mixed and adam)
+    g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
+    ledger_based = not layout.is_zero or not (mixed and adam)
     if ledger_based:
-        name = {"fsdp-grad-op": "fsdp", "zero2-offload": "zero2", "zero3-offload-optimizer": "zero3",
-                "zero3-offload": "zero3"}.get(layout, layout)
-        led = expected_ledger(name, t.precision, numels, n, optimizer="adam" if adam else "sgd")
+        led = expected_ledger(layout.ledger_name, t.precision, numels, n, optimizer="adam" if adam else "sgd")
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
-        if layout.startswith("zero") and "offload" in layout:
+        if layout.is_zero and layout.offload:
             e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
-    if layout == "ddp":
+    if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
         bus = 2 * frac * psi * g
         collectives = math.ceil(psi * g / DDP_BUCKET)
-    elif layout in ("fsdp", "fsdp-grad-op"):
+    elif layout.is_fsdp:
         w = 2 if mixed else 4
         unit = largest if not m.layers else max(largest, 12 * (m.hidden or 0) ** 2)
-        if layout == "fsdp-grad-op":
+        if not layout.reshard:
             e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
             bus = frac * psi * (w + g)
             collectives = 2 * (m.layers or 1)
@@ -270,31 +260,31 @@ def estimate(layout: str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1,
             bus = frac * psi * (2 * w + g)
             collectives = 3 * (m.layers or 1)
     else:  # DeepSpeed ZeRO
-        stage = int(layout[4])
+        stage = layout.stage
         if not ledger_based:
             if stage == 1:
                 e.device.update(params=2 * psi, grads=2 * psi + 4 * psi / n, optimizer=12 * psi / n)
-            elif stage == 2 and layout == "zero2":
+            elif layout == ZERO2:
                 e.device.update(params=2 * psi, grads=6 * psi / n, optimizer=12 * psi / n)
-            elif layout == "zero2-offload":
+            elif layout == ZERO2_OFFLOAD:
                 e.device.update(params=2 * psi)
                 # DeepSpeed's estimator: 4 bytes per parameter per process (the fp32 copy at
                 # start-up) or the 16-byte states, whichever is larger, x 1.5 buffer factor
                 e.host = psi * max(4 * hw.devices, 16) * 1.5
-            elif layout == "zero3":
+            elif layout == ZERO3:
                 e.device.update(params=2 * psi / n, grads=4 * psi / n, optimizer=12 * psi / n, buffers=4 * largest)
-            elif layout == "zero3-offload-optimizer":
+            elif layout == ZERO3_OFFLOAD_OPTIMIZER:
                 e.device.update(params=2 * psi / n, buffers=4 * largest)
                 e.host = psi * 16 * 1.5 / hw.nodes
-            elif layout == "zero3-offload":
+            elif layout == ZERO3_OFFLOAD:
                 e.device.update(buffers=4 * largest)
                 e.host = psi * 18 * 1.5 / hw.nodes
         w = 2 if mixed else 4
         bus = frac * psi * (w + g) if stage < 3 else frac * psi * (2 * w + g)
         collectives = 2 if stage < 3 else 3 * (m.layers or 1)
-        if "offload" in layout:
+        if layout.offload:
             moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device
-            if layout == "zero3-offload":
+            if layout.offload == "both":
                 moved += 2 * 2 * psi / n  # parameters fetched from the host for forward and backward
             e.offload_s = moved / hw.host_link_bw
             e.notes.append(f"offload moves {moved / 1e9:.1f} GB per device per step over the host link")

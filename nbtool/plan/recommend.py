@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .estimate import DP_LAYOUTS, PREFERENCE, RESERVE, Estimate, estimate
-from .inputs import Hardware, ModelShape, Training
+from .estimate import RESERVE, Estimate, estimate
+from .layouts import DP_LAYOUTS, PP, PREFERENCE, TP, TP_PP, Layout
+from .inputs import GB, Hardware, ModelShape, Training
 
-GB = 1e9
 TIE = 0.10  # step-time estimates within 10% of the best count as a tie: the simpler layout wins
 
 
@@ -14,9 +14,9 @@ def _gb(x: float) -> str:
     return f"{x / GB:.1f} GB"
 
 
-def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[str, int, int]]:
+def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[Layout, int, int]]:
     """(layout, tp, pp): every data-parallel layout, plus tensor x pipeline splits the shape allows."""
-    out = [(name, 1, 1) for name in DP_LAYOUTS]
+    out = [(lay, 1, 1) for lay in DP_LAYOUTS]
     if m.layers and m.heads and m.hidden:
         for tp in (2, 4, 8):
             if tp > hw.devices_per_node or m.heads % tp or hw.devices % tp:
@@ -24,10 +24,10 @@ def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[str, int, int]]
             for pp in (1, 2, 4, 8, 16):
                 if hw.devices % (tp * pp) or m.layers % pp:
                     continue
-                out.append(("tp" if pp == 1 else "tp-pp", tp, pp))
+                out.append((TP if pp == 1 else TP_PP, tp, pp))
         for pp in (2, 4, 8):
             if hw.devices % pp == 0 and m.layers % pp == 0:
-                out.append(("pp", 1, pp))
+                out.append((PP, 1, pp))
     return out
 
 
@@ -93,12 +93,10 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
 
 def runnable_choices(rec: "Recommendation", t: Training) -> list:
     """The fitting layouts nbtool can run as they are, best first (their options validate)."""
-    from ..rank.strategies.spec import SpecError, validate
+    from ..spec import SpecError, validate
 
     out = []
     for e in rec.ranked:
-        if not e.runnable:
-            continue
         try:
             validate(e.spec(t), None, "cuda")
         except SpecError:
@@ -108,12 +106,8 @@ def runnable_choices(rec: "Recommendation", t: Training) -> list:
 
 
 def _label(e: Estimate) -> str:
-    names = {"ddp": "DDP", "fsdp": "FSDP (full shard)", "fsdp-grad-op": "FSDP (grad-op sharding)",
-             "zero1": "ZeRO-1", "zero2": "ZeRO-2", "zero3": "ZeRO-3", "zero2-offload": "ZeRO-2 + CPU offload",
-             "zero3-offload-optimizer": "ZeRO-3 + CPU offload (optimizer)",
-             "zero3-offload": "ZeRO-3 + CPU offload (optimizer + params)"}
-    if e.layout in names:
-        return names[e.layout]
+    if not e.layout.mesh:
+        return e.layout.label
     return f"Megatron TP {e.tp} x PP {e.pp} x DP {e.dp}"
 
 

@@ -47,14 +47,10 @@ def init_rank(
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
-        "OMP_NUM_THREADS": str(num_threads),
     }
-    if visible_devices:
-        env["CUDA_VISIBLE_DEVICES"] = visible_devices
-    else:
-        # DeepSpeed picks its accelerator at import; "cuda" on a CPU box fails late.
-        env["DS_ACCELERATOR"] = "cpu"
-        env["CUDA_VISIBLE_DEVICES"] = ""
+    # OMP_NUM_THREADS and DS_ACCELERATOR are in the engine's environment from its launch
+    # (RankCluster.start): they must be there before torch or deepspeed is first imported
+    env["CUDA_VISIBLE_DEVICES"] = visible_devices or ""
     os.environ.update(env)
 
     import torch
@@ -198,21 +194,28 @@ def rank_info() -> dict:
         "device": device,
         "backend": dist.get_backend() if initialized else None,
         "rss_bytes": mem.rss,
-        "peak_rss_bytes": _peak_rss(),
+        "peak_rss_bytes": rss()[1],
         "threads": torch.get_num_threads(),
     }
 
 
-def _peak_rss() -> int | None:
-    """The process's high-water RSS (Linux VmHWM); None where unavailable."""
+def rss() -> tuple[int, int | None]:
+    """(current RSS, peak RSS) of this process in bytes: Linux's VmRSS / VmHWM, else psutil (no peak)."""
     try:
+        cur = peak = None
         with open("/proc/self/status") as f:
             for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
+                if line.startswith("VmRSS:"):
+                    cur = int(line.split()[1]) * 1024
+                elif line.startswith("VmHWM:"):
+                    peak = int(line.split()[1]) * 1024
+        if cur is not None:
+            return cur, peak
     except OSError:
         pass
-    return None
+    import psutil
+
+    return psutil.Process().memory_info().rss, None
 
 
 _watcher: threading.Thread | None = None

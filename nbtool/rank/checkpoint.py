@@ -6,8 +6,12 @@ Layout of a checkpoint directory ``PATH``::
     PATH/ckpt-000012-ab12cd34/
         meta.json               strategy, world size, steps, parameter names
         model/                  torch.distributed.checkpoint (DCP) of the model state dict
-        optim/                  DCP of the optimizer (ddp, fsdp)
+        optim/                  DCP of the optimizer (ddp, fsdp, tp, pp)
         deepspeed/              DeepSpeed's own checkpoint (zero1-3: optimizer partitions)
+
+What each strategy holds and how it is read and written (``model_state``,
+``apply_model_state``, ``save_optimizer``, ``load_optimizer``) belongs to the
+strategy; this module keeps the directory protocol.
 
 The model is saved under the plain model's parameter names, as full tensors
 (ddp, zero1-3) or DTensor shards (fsdp); DCP reshards on load, so weights
@@ -29,7 +33,6 @@ import shutil
 import time
 import uuid
 
-import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
@@ -41,27 +44,21 @@ def save(strategy, path: str) -> dict:
     if strategy.model is None:
         raise CheckpointError("call strategy.prepare(model, optimizer) before saving a checkpoint")
     path = os.path.abspath(path)
-    name = [f"ckpt-{strategy._steps:06d}-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
+    name = [f"ckpt-{strategy.steps:06d}-{uuid.uuid4().hex[:8]}" if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(name, src=0)  # one directory name for every rank
     target = os.path.join(path, name[0])
     if dist.get_rank() == 0:
         os.makedirs(target, exist_ok=True)
     dist.barrier()
     t0 = time.perf_counter()
-    model_sd = _model_state(strategy, for_load=False)
+    model_sd = strategy.model_state(for_load=False)
     dcp.save(model_sd, checkpoint_id=os.path.join(target, "model"))
-    if strategy.spec.is_zero:
-        strategy._engine.save_checkpoint(os.path.join(target, "deepspeed"), tag="state", save_latest=False)
-    else:
-        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
-
-        dcp.save(get_optimizer_state_dict(strategy._plain, strategy.optimizer.inner),
-                 checkpoint_id=os.path.join(target, "optim"))
+    strategy.save_optimizer(target)
     dist.barrier()  # every rank's files are complete
     names = [None] * dist.get_world_size()  # pipeline stages each hold part of the model
     dist.all_gather_object(names, sorted(model_sd))
     meta = {"format": FORMAT, "strategy": strategy.name, "precision": strategy.spec.precision,
-            "world_size": strategy.world_size, "steps": strategy._steps, "time": time.time(),
+            "world_size": strategy.world_size, "steps": strategy.steps, "time": time.time(),
             "params": sorted(set().union(*names))}
     if dist.get_rank() == 0:
         with open(os.path.join(target, "meta.json"), "w") as f:
@@ -71,7 +68,7 @@ def save(strategy, path: str) -> dict:
             if old.startswith("ckpt-") and old != name[0]:
                 shutil.rmtree(os.path.join(path, old), ignore_errors=True)
     dist.barrier()
-    return {"path": path, "dir": name[0], "steps": strategy._steps, "seconds": time.perf_counter() - t0,
+    return {"path": path, "dir": name[0], "steps": strategy.steps, "seconds": time.perf_counter() - t0,
             "bytes": _dir_bytes(target) if dist.get_rank() == 0 else None}
 
 
@@ -82,7 +79,7 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
     path = os.path.abspath(path)
     meta = read_meta(path)
     d = latest_dir(path)
-    sd = _model_state(strategy, for_load=True)
+    sd = strategy.model_state(for_load=True)
     missing = sorted(set(sd) - set(meta["params"]))
     # a pipeline stage loads its own part; any other model must match the checkpoint whole
     unexpected = [] if getattr(strategy, "pp", 1) > 1 else sorted(set(meta["params"]) - set(sd))
@@ -93,21 +90,13 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
             + ("; " if missing and unexpected else "")
             + (f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}" if unexpected else ""))
     dcp.load(sd, checkpoint_id=os.path.join(d, "model"))
-    _apply_model_state(strategy, sd)
+    strategy.apply_model_state(sd)
     same = meta["strategy"] == strategy.name and meta["world_size"] == strategy.world_size
     restored_optimizer = False
     if optimizer and same:
-        if strategy.spec.is_zero:
-            strategy._engine.load_checkpoint(os.path.join(d, "deepspeed"), tag="state", load_module_strict=True,
-                                             load_optimizer_states=True, load_lr_scheduler_states=False)
-        else:
-            from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-            osd = get_optimizer_state_dict(strategy._plain, strategy.optimizer.inner)
-            dcp.load(osd, checkpoint_id=os.path.join(d, "optim"))
-            set_optimizer_state_dict(strategy._plain, strategy.optimizer.inner, osd)
+        strategy.load_optimizer(d)
         restored_optimizer = True
-    strategy._steps = meta["steps"]
+    strategy.resume_at(meta["steps"])
     dist.barrier()
     note = "model and optimizer" if restored_optimizer else (
         "model only" + ("" if not optimizer else
@@ -115,57 +104,6 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
                         f"it restores only under the same strategy and world size)"))
     return {"path": path, "dir": os.path.basename(d), "steps": meta["steps"], "saved_by": meta["strategy"],
             "restored": note}
-
-
-def _model_state(strategy, for_load: bool) -> dict:
-    """The model state dict by plain parameter names, in the form this strategy holds it."""
-    if strategy.name == "fsdp" or strategy.spec.is_mesh:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict
-
-        return get_model_state_dict(strategy._plain)  # DTensor shards (a pipeline stage: its own part)
-    if strategy.name == "ddp":
-        return strategy._plain.state_dict()  # shares storage with the parameters
-    module = strategy._engine.module
-    if strategy.spec.stage < 3:
-        return module.state_dict()
-    if for_load:  # full-size buffers to load into; copied into the partitions afterwards
-        return {k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in _zero3_shapes(module).items()}
-    return strategy._full_state_dict()
-
-
-def _zero3_shapes(module) -> dict:
-    out = {}
-    for name, p in module.named_parameters():
-        out[name] = (tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-    for name, b in module.named_buffers():
-        out[name] = (tuple(b.shape), b.dtype)
-    return out
-
-
-@torch.no_grad()
-def _apply_model_state(strategy, sd: dict) -> None:
-    if strategy.name == "fsdp" or strategy.spec.is_mesh:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict
-
-        set_model_state_dict(strategy._plain, sd)
-        return
-    if strategy.name == "ddp":
-        strategy._plain.load_state_dict(sd)
-        return
-    module = strategy._engine.module
-    if strategy.spec.stage < 3:
-        module.load_state_dict(sd)  # into the flat bit16 buffers the params view
-    else:
-        import deepspeed
-
-        params = dict(module.named_parameters())
-        with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
-            if dist.get_rank() == 0:
-                for name, p in params.items():
-                    p.data.copy_(sd[name].to(p.device, p.dtype))
-        for name, b in module.named_buffers():
-            b.copy_(sd[name].to(b.device, b.dtype))
-    strategy._ds_opt.refresh_fp32_params()  # the optimizer's fp32 master partitions follow the weights
 
 
 def _dir_bytes(path: str) -> int:

@@ -14,19 +14,9 @@ import time
 import torch
 import torch.distributed as dist
 
-_groups: dict = {}
+from .. import protocol
+from .groups import subgroup
 
-
-def group_for(ranks: tuple[int, ...]):
-    """A process group over ``ranks`` (None: the world), created once per engine life.
-
-    new_group is collective over the world, so every rank calls this.
-    """
-    if len(ranks) == dist.get_world_size():
-        return None
-    if ranks not in _groups:
-        _groups[ranks] = dist.new_group(list(ranks))
-    return _groups[ranks]
 
 
 def _buffers(op: str, count: int, n: int, me: int, dtype, device, inplace: bool):
@@ -89,7 +79,7 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
     where the op needs it). Rank ``ranks[0]`` publishes each row as it is
     measured so the kernel can plot the sweep live.
     """
-    group = group_for(ranks)
+    group = subgroup(ranks)
     me_global = dist.get_rank()
     if me_global not in ranks:
         return []
@@ -135,7 +125,7 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
                 try:
                     from ipyparallel.datapub import publish_data
 
-                    publish_data({f"nbtool-commbench:{op}:{count}": row})
+                    publish_data({protocol.commbench_key(op, count): row})
                 except Exception:
                     publish = False
             del inp, out

@@ -105,11 +105,6 @@ def build_schedule(stage_model: nn.Module, stage: int, stages: int, device, grou
     return sched, clock
 
 
-def bubble_theory(stages: int, microbatches: int) -> float:
-    """Idle fraction of a step for equal stages under GPipe or 1F1B: (p - 1) / (M + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
-
-
 def check_batch(inputs, microbatches: int) -> None:
     size = inputs.shape[0] if torch.is_tensor(inputs) else None
     if size is not None and size % microbatches:

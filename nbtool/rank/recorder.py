@@ -30,25 +30,17 @@ nothing depends on the live path.
 """
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 
 import torch
 
+from .. import protocol
 from ..collectives import bandwidths, bus_factor
 from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
-from .bootstrap import rank_device
+from .bootstrap import rank_device, rss
 from .collective_calls import complete, describe_call, is_async
-
-_active: "Recorder | None" = None
-
-
-def active() -> "Recorder | None":
-    """The recorder of the running cell on this rank, if any."""
-    return _active
-
 
 class Recorder:
     def __init__(self, rank: int, interval: float = 0.25, publish: bool = True):
@@ -72,13 +64,11 @@ class Recorder:
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
-        global _active
         from . import watchdog
 
         if not watchdog.installed():  # outside a bootstrapped engine
             watchdog.install(self.rank)
         watchdog.observe(self._call)
-        _active = self
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
         self._sample("interval")
         self._thread = threading.Thread(target=self._run, name="nbtool-recorder", daemon=True)
@@ -88,11 +78,9 @@ class Recorder:
 
     def stop(self) -> list:
         """Stop observing collectives and sampling; return every record of the run."""
-        global _active
         from . import watchdog
 
         watchdog.observe(None)
-        _active = None
         self._stop.set()
         self._async.put(None)
         for thread in (self._thread, self._completer):
@@ -134,7 +122,7 @@ class Recorder:
             from ipyparallel.datapub import publish_data
 
             self._batch += 1
-            publish_data({f"nbtool:{self.rank}:{self._batch}": new})
+            publish_data({protocol.records_key(self.rank, self._batch): new})
         except Exception:  # outside an engine (unit use): live updates are optional
             self.publish = False
 
@@ -208,8 +196,8 @@ class Recorder:
 
     # -- memory ------------------------------------------------------------------
     def _sample(self, source: str, ledger=None) -> None:
-        rss, peak = _rss()
-        sample = MemorySample(self.rank, time.time(), self.step, source, rss, peak)
+        now_rss, peak = rss()
+        sample = MemorySample(self.rank, time.time(), self.step, source, now_rss, peak)
         if self._cuda:
             sample.cuda_allocated = torch.cuda.memory_allocated(self._device)
             sample.cuda_reserved = torch.cuda.memory_reserved(self._device)
@@ -238,20 +226,4 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
-def _rss() -> tuple[int, int | None]:
-    """(current RSS, peak RSS) in bytes from /proc, falling back to psutil."""
-    try:
-        cur = peak = None
-        with open(f"/proc/{os.getpid()}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    cur = int(line.split()[1]) * 1024
-                elif line.startswith("VmHWM:"):
-                    peak = int(line.split()[1]) * 1024
-        if cur is not None:
-            return cur, peak
-    except OSError:
-        pass
-    import psutil
 
-    return psutil.Process().memory_info().rss, None

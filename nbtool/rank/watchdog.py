@@ -21,15 +21,29 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import dataclass
 
+from .. import protocol
 from .collective_calls import complete, describe_call, is_async, targets
 
 POLL_S = 0.5
 DEFAULT_TIMEOUT_S = 60.0
 
 _local = threading.local()
-_inflight: dict[int, list] = {}  # seq -> [name, args, kwargs, t_start, work]; async: [name, description, None, ...]
-_state = {"issued": 0, "timeout_s": DEFAULT_TIMEOUT_S, "rank": -1, "reports": 0}
+@dataclass(slots=True)
+class InFlight:
+    """A collective this rank has entered and not finished (by sequence number in _inflight)."""
+
+    name: str  # the torch.distributed function called
+    args: tuple | None  # the call's arguments while it runs; None once only its description is kept
+    kwargs: dict | None
+    t0: float  # time.monotonic() at entry
+    work: object = None  # an async call's Work, until it completes
+    description: tuple | None = None  # (op, size, group size, dtype), kept instead of tensors
+
+
+_inflight: dict[int, InFlight] = {}
+_state = {"issued": 0, "timeout_s": DEFAULT_TIMEOUT_S, "rank": -1}
 _reported: set[int] = set()
 _thread: threading.Thread | None = None
 _observer = None  # see observe()
@@ -93,7 +107,7 @@ def _wrap(name: str, fn):
             return fn(*args, **kwargs)
         _state["issued"] += 1
         seq = _state["issued"]
-        entry = [name, args, kwargs, time.monotonic(), None]
+        entry = InFlight(name, args, kwargs, time.monotonic())
         _inflight[seq] = entry
         _local.depth = 1
         done = True
@@ -104,8 +118,8 @@ def _wrap(name: str, fn):
             if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
                 # in flight until the work completes (seen by the next poll). Keep its description,
                 # not its tensors: holding those until then would keep freed buffers alive
-                entry[1], entry[2] = describe_call(name, args, kwargs), None
-                entry[4], done = result, False
+                entry.description, entry.args, entry.kwargs = describe_call(name, args, kwargs), None, None
+                entry.work, done = result, False
             return result
         finally:
             _local.depth = 0
@@ -116,11 +130,10 @@ def _wrap(name: str, fn):
     return wrapper
 
 
-def _describe(seq: int, entry: list, now: float) -> dict:
-    name, args, kwargs, t0, work = entry
-    op, size, n, dtype = args if kwargs is None else describe_call(name, args, kwargs)
-    return {"seq": seq, "op": op, "call": name, "size_bytes": size, "group_size": n, "dtype": dtype,
-            "age_s": round(now - t0, 3), "async": work is not None}
+def _describe(seq: int, entry: InFlight, now: float) -> dict:
+    op, size, n, dtype = entry.description or describe_call(entry.name, entry.args, entry.kwargs)
+    return {"seq": seq, "op": op, "call": entry.name, "size_bytes": size, "group_size": n, "dtype": dtype,
+            "age_s": round(now - entry.t0, 3), "async": entry.work is not None}
 
 
 def main_stack() -> list[str]:
@@ -153,7 +166,7 @@ def _watch() -> None:
 def _check() -> None:
     now = time.monotonic()
     for seq, entry in list(_inflight.items()):
-        work = entry[4]
+        work = entry.work
         if work is not None:
             try:
                 finished = work.is_completed()
@@ -162,12 +175,11 @@ def _check() -> None:
             if finished:
                 _inflight.pop(seq, None)
                 continue
-        if now - entry[3] > _state["timeout_s"] and seq not in _reported:
+        if now - entry.t0 > _state["timeout_s"] and seq not in _reported:
             _reported.add(seq)
-            _state["reports"] += 1
             report = {**_describe(seq, entry, now), "rank": _state["rank"], "issued": _state["issued"],
                       "timeout_s": _state["timeout_s"], "stack": main_stack()}
-            _publish(f"nbtool-hang:{_state['rank']}:{seq}", report)
+            _publish(protocol.hang_key(_state["rank"], seq), report)
 
 
 def _on_stack_request(signum, frame) -> None:
@@ -175,6 +187,6 @@ def _on_stack_request(signum, frame) -> None:
     stack = traceback.format_list([f for f in traceback.extract_stack(frame)
                                    if os.path.dirname(f.filename) != _HERE])
     now = time.monotonic()
-    _publish(f"nbtool-stack:{_state['rank']}:{time.time()}",
+    _publish(protocol.stack_key(_state["rank"]),
              {"rank": _state["rank"], "issued": _state["issued"], "stack": stack,
               "inflight": [_describe(s, e, now) for s, e in sorted(list(_inflight.items()))]})

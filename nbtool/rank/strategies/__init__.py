@@ -5,7 +5,8 @@ namespace as ``strategy``; the cell then calls ``strategy.prepare(...)``.
 """
 from __future__ import annotations
 
-from .spec import NAMES, StrategySpec
+from ...metrics import RunDescription
+from ...spec import NAMES, StrategySpec
 
 _last = None  # the strategy of the most recent strategy cell on this rank
 
@@ -66,16 +67,17 @@ def _stop_recorder() -> list:
 
 def finish(want_summary: bool = True) -> dict:
     """After the cell: stop recording; return this rank's records, summary and description."""
-    out = {"records": _stop_recorder(), "summary": None, "description": {}}
+    out = {"records": _stop_recorder(), "summary": None, "description": RunDescription()}
     if _last is not None:
         if want_summary:
             out["summary"] = _last.summary()
         if _last.model is not None:
             # plus what the planner needs to predict this run (%dist_plan --vs-last)
-            out["description"] = {**dict(_last.describe()), "param_numels": list(_last._param_numels),
-                                  "precision_spec": _last.spec.precision,
-                                  "reshard_after_forward": _last.spec.reshard_after_forward,
-                                  "dims": [getattr(_last, d, None) for d in ("dp", "tp", "pp")]}
+            dims = getattr(_last, "dims", None)  # a ParallelDims for tp / pp / fsdp x tp
+            out["description"] = RunDescription(
+                details=dict(_last.describe()), param_numels=list(_last._param_numels),
+                precision=_last.spec.precision, reshard_after_forward=_last.spec.reshard_after_forward,
+                dims=tuple(dims) if dims is not None else None)
     return out
 
 

@@ -1,4 +1,7 @@
-"""What every strategy shares: the cell contract, gradient accumulation, the ledger.
+"""What every strategy shares: the cell contract and gradient accumulation.
+
+The ledger's counting (ledger.py), data loading (data.py) and the step
+optimizer (step_optimizer.py) are modules of their own.
 
 A cell written against this contract runs unchanged under any strategy:
 
@@ -15,6 +18,7 @@ zero_grad() act only on every Nth backward, so the loop needs no changes.
 from __future__ import annotations
 
 import random
+import os
 import time
 from collections import Counter
 
@@ -24,151 +28,26 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from ...metrics import MemoryLedger
-from .spec import StrategySpec
+from ...spec import StrategySpec
+from .data import _EpochLoader
+from .ledger import Tally
+from .step_optimizer import StepOptimizer
 
 
 class StrategyError(RuntimeError):
     """A strategy cannot be applied as asked; the message says how to fix it."""
 
 
-class Tally:
-    """Sums tensor bytes per category, counting each element of a storage once.
-
-    Tensors that view the same storage (parameters viewing a flat buffer,
-    gradients viewing a bucket) are counted by the byte ranges they cover, so
-    nothing is counted twice; slack in a buffer that no listed tensor views
-    is not counted (allocator and RSS figures include it).
-    """
-
-    def __init__(self, only: tuple[str, ...] | None = None):
-        self.bytes: Counter = Counter()
-        self.offloaded: Counter = Counter()
-        self.only = only  # count just these categories (the rest cost nothing)
-        self._covered: dict = {}  # storage key -> sorted, merged [start, end) byte ranges
-
-    def add(self, category: str, tensor, offloaded: bool = False) -> None:
-        if tensor is None or (self.only is not None and category not in self.only):
-            return
-        if hasattr(tensor, "to_local"):  # DTensor: the local shard is what this rank holds
-            tensor = tensor.to_local()
-        if tensor.numel() == 0:
-            return
-        storage = tensor.untyped_storage()
-        start = tensor.storage_offset() * tensor.element_size()
-        # runs twice per optimizer step: the device object, not its (slow) str(), keys the storage
-        new = _claim(self._covered.setdefault((storage.data_ptr(), tensor.device), []),
-                     start, start + tensor.numel() * tensor.element_size())
-        self.bytes[category] += new
-        if offloaded:
-            self.offloaded[category] += new
-
-    def add_optimizer_state(self, state, offloaded: bool = False) -> None:
-        for per_param in state.values():
-            for value in per_param.values():
-                if torch.is_tensor(value):
-                    self.add("optimizer_state" if value.dim() > 0 else "other", value, offloaded)
-
-
-def _claim(ranges: list, start: int, end: int) -> int:
-    """Add [start, end) to the merged ``ranges``; return how many bytes were new."""
-    covered = sum(max(0, min(end, e) - max(start, s)) for s, e in ranges)
-    merged = [start, end]
-    keep = []
-    for s, e in ranges:
-        if e < merged[0] or s > merged[1]:
-            keep.append((s, e))
-        else:
-            merged = [min(s, merged[0]), max(e, merged[1])]
-    keep.append(tuple(merged))
-    ranges[:] = sorted(keep)
-    return (end - start) - covered
-
-
-class _EpochLoader:
-    """A DataLoader over a DistributedSampler that advances the epoch itself."""
-
-    def __init__(self, loader: DataLoader, sampler: DistributedSampler, device):
-        self.loader, self.sampler, self.device = loader, sampler, device
-        self.epoch = 0
-
-    def __len__(self):
-        return len(self.loader)
-
-    def __iter__(self):
-        self.sampler.set_epoch(self.epoch)
-        self.epoch += 1
-        for batch in self.loader:
-            yield _to_device(batch, self.device)
-
-
-def _to_device(batch, device):
-    if torch.is_tensor(batch):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return {k: _to_device(v, device) for k, v in batch.items()}
-    return batch
-
-
-class StepOptimizer(torch.optim.Optimizer):
-    """The optimizer handed back by prepare(): steps at accumulation boundaries.
-
-    A torch Optimizer (so LR schedulers accept it) that owns no state: param
-    groups, state and state dicts are the wrapped optimizer's.
-    """
-
-    def __init__(self, strategy: "Strategy", inner):  # no super().__init__: nothing of its own
-        self._strategy = strategy
-        self.inner = inner
-        self._optimizer_step_pre_hooks = {}
-        self._optimizer_step_post_hooks = {}
-
-    @property
-    def param_groups(self):
-        return self.inner.param_groups
-
-    @property
-    def state(self):
-        return self.inner.state
-
-    @property
-    def defaults(self):
-        return getattr(self.inner, "defaults", {})
-
-    def step(self, closure=None):
-        return self._strategy._optimizer_step(closure)
-
-    def zero_grad(self, set_to_none: bool = True):
-        if self._strategy.at_boundary:
-            self._strategy._zero_grad(set_to_none)
-
-    def state_dict(self):
-        return self.inner.state_dict()
-
-    def load_state_dict(self, state_dict):
-        return self.inner.load_state_dict(state_dict)
-
-    def __getattr__(self, name):  # anything else the wrapped optimizer offers
-        if name in ("inner", "_strategy"):
-            raise AttributeError(name)
-        return getattr(self.inner, name)
-
-    def __repr__(self):
-        return f"StepOptimizer({type(self.inner).__name__}, grad_accum={self._strategy.spec.grad_accum})"
-
-
 class Strategy:
-    """Base class; subclasses implement _wrap, and optionally _backward/_step/_ledger."""
+    """Base class; subclasses implement _wrap, and optionally _backward/_step/_tally (what the ledger counts)."""
 
     name = "base"
 
-    def __init__(self, spec: StrategySpec, device: torch.device, group=None):
+    def __init__(self, spec: StrategySpec, device: torch.device):
         self.spec = spec
         self.device = device
-        self.group = group  # None: the default (world) process group
         self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size(group)
+        self.world_size = dist.get_world_size()
         self.model = None
         self.optimizer: StepOptimizer | None = None
         self.logs: list[dict] = []
@@ -192,6 +71,45 @@ class Strategy:
     def steps(self) -> int:
         """Optimizer steps taken (restored by load(), so a resumed loop knows where it is)."""
         return self._steps
+
+    def resume_at(self, steps: int) -> None:
+        """Continue counting optimizer steps from ``steps`` (a loaded checkpoint's)."""
+        self._steps = steps
+
+    # -- state for checkpoints (nbtool.rank.checkpoint keeps only the directory protocol) --
+    def model_state(self, for_load: bool = False) -> dict:
+        """The model state dict by the plain model's names, in the form this strategy holds it.
+
+        Here (fsdp, tp, pp): torch's DCP state-dict API, DTensor shards where
+        sharded, a pipeline stage's own part. ``for_load``: tensors to load into.
+        """
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        return get_model_state_dict(self._plain)
+
+    @torch.no_grad()
+    def apply_model_state(self, sd: dict) -> None:
+        """Put a loaded ``model_state(for_load=True)`` into the model."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict
+
+        set_model_state_dict(self._plain, sd)
+
+    def save_optimizer(self, directory: str) -> None:
+        """Write the optimizer state under ``directory`` (a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        dcp.save(get_optimizer_state_dict(self._plain, self.optimizer.inner),
+                 checkpoint_id=os.path.join(directory, "optim"))
+
+    def load_optimizer(self, directory: str) -> None:
+        """Restore the optimizer state ``save_optimizer`` wrote (same strategy and world size)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+        osd = get_optimizer_state_dict(self._plain, self.optimizer.inner)
+        dcp.load(osd, checkpoint_id=os.path.join(directory, "optim"))
+        set_optimizer_state_dict(self._plain, self.optimizer.inner, osd)
 
     @property
     def at_boundary(self) -> bool:
@@ -273,7 +191,7 @@ class Strategy:
     @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel replicas (which shard of the data it reads)."""
-        return dist.get_rank(self.group) if self.group is not None else self.rank
+        return self.rank
 
     @property
     def dp_size(self) -> int:

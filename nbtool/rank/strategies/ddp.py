@@ -36,7 +36,7 @@ class DDPStrategy(Strategy):
         self._ddp = DistributedDataParallel(
             inner,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
-            process_group=self.group,
+            process_group=None,  # the world
             gradient_as_bucket_view=self.spec.grad_as_bucket_view,
             static_graph=self.spec.static_graph,
             **kwargs,
@@ -47,7 +47,7 @@ class DDPStrategy(Strategy):
             # same maths (divide by world size, sum) through dist.all_reduce
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-            self._ddp.register_comm_hook(self.group, default_hooks.allreduce_hook)
+            self._ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # state None: the world
         self._scaler = None
         if self.spec.precision == "fp16":
             self._scaler = torch.amp.GradScaler(self.device.type)
@@ -73,6 +73,13 @@ class DDPStrategy(Strategy):
 
     def _full_state_dict(self):
         return self._plain.state_dict()
+
+    def model_state(self, for_load: bool = False) -> dict:
+        return self._plain.state_dict()  # full tensors that share storage with the parameters
+
+    @torch.no_grad()
+    def apply_model_state(self, sd: dict) -> None:
+        self._plain.load_state_dict(sd)
 
     def _describe(self):
         d = super()._describe()

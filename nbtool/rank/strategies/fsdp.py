@@ -9,19 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Strategy, Tally, param_names, repoint_optimizer
+from ..groups import world_mesh
+from .base import Strategy, param_names, repoint_optimizer
+from .ledger import Tally
 
-_meshes: dict = {}
-
-
-def world_mesh(device_type: str):
-    """One 1-D mesh over the world per engine life (it reuses the default group)."""
-    from torch.distributed.device_mesh import init_device_mesh
-    import torch.distributed as dist
-
-    if device_type not in _meshes:
-        _meshes[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    return _meshes[device_type]
 
 
 def shard_units(model, mesh, spec) -> list[str]:

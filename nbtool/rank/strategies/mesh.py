@@ -25,27 +25,18 @@ import torch.distributed as dist
 
 from ...metrics import PipelineStep
 from .base import Strategy, StrategyError, param_names, repoint_optimizer
-from .spec import parallel_dims
+from ...spec import ParallelDims
+from ..groups import layout_mesh
 
-_meshes: dict = {}
-
-
-def layout_mesh(device_type: str, pp: int, dp: int, tp: int):
-    """The ("pp", "dp", "tp") mesh for this layout, created once per engine life."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    key = (device_type, pp, dp, tp)
-    if key not in _meshes:
-        _meshes[key] = init_device_mesh(device_type, (pp, dp, tp), mesh_dim_names=("pp", "dp", "tp"))
-    return _meshes[key]
 
 
 class MeshStrategy(Strategy):
     def __init__(self, spec, device):
         super().__init__(spec, device)
         self.name = spec.name
-        self.dp, self.tp, self.pp = parallel_dims(spec, self.world_size)
-        self.mesh = layout_mesh(device.type, self.pp, self.dp, self.tp)
+        self.dims = ParallelDims.resolve(spec, self.world_size)
+        self.dp, self.tp, self.pp = self.dims
+        self.mesh = layout_mesh(device.type, self.dims)
         self.coords = {d: self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp")}
         self.microbatches = spec.microbatches or 2 * self.pp
         self.schedule = spec.schedule or "1f1b"
@@ -222,7 +213,7 @@ class MeshStrategy(Strategy):
 
     # -- description ---------------------------------------------------------------------
     def _describe(self):
-        from ..pipeline import bubble_theory
+        from ...spec import bubble_fraction
 
         d = super()._describe()
         parts = []
@@ -246,7 +237,7 @@ class MeshStrategy(Strategy):
         if self.pp > 1:
             d["stage"] = f"{c['pp']} of {self.pp}: {', '.join(self.stage_parts)}"
             d["schedule"] = (f"{self.schedule}, {self.microbatches} micro-batches per batch; bubble for equal "
-                             f"stages (p-1)/(M+p-1) = {bubble_theory(self.pp, self.microbatches):.1%}")
+                             f"stages (p-1)/(M+p-1) = {bubble_fraction(self.pp, self.microbatches):.1%}")
         if self.units:
             d["units"] = list(self.units)
         if self.name == "fsdp" and self.spec.precision == "bf16":

@@ -1,0 +1,37 @@
+"""%cluster: start, stop, status, restart."""
+from __future__ import annotations
+
+from ..cluster import RankCluster
+from ..options import ClusterOptions, label_ranks
+from .common import progress_line
+
+
+def start(opts: ClusterOptions, in_kernel: bool) -> RankCluster:
+    return RankCluster.start(opts, progress=progress_line(in_kernel))
+
+
+def stop(cluster: RankCluster) -> None:
+    cluster.stop()
+
+
+def status(cluster: RankCluster):
+    from ..widgets import StatusTable
+
+    layout = cluster.layout
+    header = (
+        f"{layout.n} rank(s), backend {layout.backend}, "
+        f"{'GPUs ' + ','.join(map(str, layout.gpus)) if layout.gpus else 'CPU'}; "
+        f"collective timeout {cluster.collective_timeout:g}s; "
+        "rss = resident set size of the engine process (OS figure)"
+    )
+    rows = cluster.status()
+    lost = cluster.lost_ranks()
+    if lost or cluster.group_closed:
+        header += (f"\nprocess group unusable ({cluster.group_closed or 'engines lost'}"
+                   f"{'; lost: ' + label_ranks(lost) if lost else ''}): "
+                   f"%cluster restart brings back {layout.n} fresh rank(s)")
+    return StatusTable(rows, header=header)
+
+
+def restart(cluster: RankCluster, in_kernel: bool) -> None:
+    cluster.restart(progress_line(in_kernel))

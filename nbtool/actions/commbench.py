@@ -1,0 +1,62 @@
+"""%commbench: a collective sweep on the running cluster, plotted live."""
+from __future__ import annotations
+
+import sys
+
+from ..cluster import RankCluster
+from .. import protocol
+from .common import prepare_cell
+from .state import Session
+
+
+def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int,
+              ranks: list[int], inplace: bool, in_kernel: bool, label: str = ""):
+    """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook)."""
+    from ..commbench import DTYPES, CommbenchResult, element_count
+    from ..rank import commbench as rank_bench
+
+    everyone = list(range(cluster.world_size))
+    prepare_cell(cluster, everyone, None, collectives=True)
+    n = len(ranks)
+    counts = {op: sorted({element_count(op, s, n, DTYPES[dtype]) for s in sizes}) for op in ops}
+    plot = plot_id = None
+    if in_kernel:
+        from ..widgets.commbench_view import SweepPlot
+        from ..widgets.figures import show_live
+
+        plot = SweepPlot(ops)
+        plot_id = show_live(plot.fig)
+    # every rank takes part: creating the sub-group (if any) is collective over the world
+    ar = cluster.view(everyone).apply_async(rank_bench.run_sweep, ops, counts, dtype, iters, warmup,
+                                            tuple(ranks), inplace, plot is not None)
+    seen: dict = {}
+    try:
+        while not ar.wait(0.1):
+            if plot is None:
+                continue
+            for f in ar._children:
+                for key, row in protocol.entries(f, "commbench"):
+                    seen.setdefault(key, row)
+            if seen:
+                plot.show_rows(list(seen.values()), n)
+        per_rank = ar.get()
+    except BaseException as e:
+        if isinstance(e, KeyboardInterrupt):
+            cluster.signal(everyone, "SIGINT")
+            ar.wait(5)
+        if plot is not None:
+            from ..widgets.figures import replace_live
+
+            replace_live(plot_id, retire=plot)
+        raise
+    result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
+                                            dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
+    if plot is not None:  # the live plot's output becomes the result's static figure, in place
+        from ..widgets.figures import replace_live
+
+        replace_live(plot_id, result.figure(), retire=plot)
+    state.commbench = result
+    if result.wrong:
+        print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
+              "for the sizes marked in the #wrong column", file=sys.stderr)
+    return result

@@ -1,0 +1,47 @@
+"""%dist_compare and %dist_metrics: recorded runs, compared and exported."""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+
+from .state import Session
+
+
+def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False) -> None:
+    """Display the comparison: HTML table + plots in a notebook, text elsewhere.
+
+    ``deterministic`` prints only the columns that do not vary between runs.
+    """
+    from ..widgets import Comparison, show_figure
+
+    comparison = Comparison(runs)
+    if deterministic or not in_kernel:
+        print(comparison.text(deterministic=deterministic))
+        return
+    from IPython.display import display
+
+    display(comparison)
+    show_figure(comparison.figure())
+
+
+def stored_runs(state: Session, names: list[str]) -> list:
+    if not state.runs:
+        raise UsageError("no recorded runs yet; run a %%distributed STRATEGY cell first")
+    missing = [n for n in names if n not in state.runs]
+    if missing:
+        raise UsageError(f"no run named {missing[0]!r}; recorded runs: {', '.join(map(repr, state.runs))}")
+    return [state.runs[n] for n in names] if names else list(state.runs.values())
+
+
+def export_run(state: Session, path: str, name: str | None) -> str:
+    from .. import metrics
+
+    run = stored_runs(state, [name])[0] if name else state.last
+    if run is None:
+        raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
+    if not str(path).endswith((".json", ".csv")):
+        raise UsageError(f"export path {path!r}: use a .json or .csv file name")
+    try:
+        metrics.export(run, path)
+    except OSError as e:
+        raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
+    return f"wrote {len(run.comms)} collectives, {len(run.memory)} memory samples, {len(run.steps)} steps of run {run.name!r} to {path}"

@@ -1,0 +1,139 @@
+"""%%distributed and %%rank: run a cell on the ranks, plain or under a strategy (and compare strategies)."""
+from __future__ import annotations
+
+import sys
+import time
+
+from IPython.core.error import UsageError
+
+from .. import protocol
+from ..cluster import RankCluster
+from ..execution import run_cell
+from .common import prepare_cell, progress_line
+from .metrics import show_comparison
+from .state import Session
+
+FINISH_TIMEOUT_S = 30.0
+
+
+def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
+        timeout: float | None, quiet: bool, collective_timeout: float | None = None) -> None:
+    prepare_cell(cluster, ranks, collective_timeout, collectives=False)
+    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+             progress=progress_line(in_kernel))
+
+
+def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_kernel: bool, timeout: float | None,
+                 quiet: bool, export_config: str | None = None, metrics: bool = True, watch: bool = True,
+                 name: str | None = None, collective_timeout: float | None = None):
+    """Install ``strategy`` on every rank, run the cell (recording it), then report.
+
+    Returns the run's RunRecords (None with metrics off). The live dashboard
+    shows only in a Jupyter kernel; a static copy of its final figures stays
+    in the output.
+    """
+    from ..metrics import RunRecords
+    from ..rank import strategies
+    from ..spec import deepspeed_config, dumps_config
+
+    ranks = list(range(cluster.world_size))
+    prepare_cell(cluster, ranks, collective_timeout, collectives=True)
+    if export_config:
+        text = dumps_config(deepspeed_config(spec, cluster.world_size))
+        try:
+            with open(export_config, "w") as f:
+                f.write(text)
+        except OSError as e:
+            raise UsageError(f"--export-config {export_config!r}: {e.strerror}") from None
+    run = RunRecords(name=name or spec.name, strategy=spec.name, world_size=cluster.world_size, t_start=time.time())
+    dash = None
+    if metrics and watch and in_kernel and not quiet:
+        from ..widgets import Dashboard
+
+        from ..spec import LAYOUT_NAMES, ParallelDims
+
+        pipeline = spec.name in LAYOUT_NAMES and ParallelDims.resolve(spec, cluster.world_size).pp > 1
+        from ..widgets.figures import show_live
+
+        dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline)
+        dash_id = show_live(dash.widget)
+    try:
+        cluster.view(ranks).apply_sync(strategies.install, spec, metrics, dash is not None)
+    except BaseException:
+        _finish(cluster, ranks, want_summary=False)  # ranks where it worked: stop their recorders
+        if dash is not None:
+            from ..widgets.figures import replace_live
+
+            replace_live(dash_id, retire=dash)
+        raise
+    live = _LiveRecords(run, dash)
+    finished = None
+    ok = False
+    try:
+        run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+                 on_tick=live if dash is not None else None, progress=progress_line(in_kernel))
+        ok = True
+    finally:
+        # always stop the recorders: their sampling thread runs and the watchdog's wrappers report to them
+        finished = _finish(cluster, ranks, want_summary=not quiet)
+        if metrics and finished is not None:
+            run = RunRecords(name=run.name, strategy=run.strategy, world_size=run.world_size, t_start=run.t_start,
+                             t_end=time.time(), description=finished[0]["description"])
+            for part in finished:
+                run.add(part["records"])
+            if ok:  # a failed run is kept for inspection (last_run()), never as a comparison row
+                state.runs[run.name] = run
+            state.last = run
+        if dash is not None:  # the live widget's output becomes its static copy, in place
+            from ..widgets.figures import replace_live
+
+            dash.refresh(run, force=True)
+            replace_live(dash_id, dash.static(run), retire=dash)
+    if not quiet and finished is not None and finished[0]["summary"]:
+        print(finished[0]["summary"])
+        if export_config:
+            print(f"DeepSpeed config written to {export_config}")
+    return run if metrics else None
+
+
+class _LiveRecords:
+    """Feeds records published by the ranks during the cell to the dashboard (kernel thread)."""
+
+    def __init__(self, run, dash):
+        self.run, self.dash, self.seen = run, dash, set()
+
+    def __call__(self, children) -> None:
+        fresh = False
+        for _, f in children:
+            for key, records in protocol.entries(f, "records"):
+                if key not in self.seen:
+                    self.seen.add(key)
+                    self.run.add(records)
+                    fresh = True
+        if fresh:
+            self.dash.refresh(self.run)
+
+
+def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool):
+    from ..rank import strategies
+
+    if cluster.lost_ranks() or cluster.client is None:
+        return None  # the cell's error already says which ranks are gone
+    try:
+        return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=FINISH_TIMEOUT_S)
+    except Exception as e:  # a rank still stuck (after a timeout/interrupt) or gone
+        print(f"nbtool: could not collect the run's records from every rank ({type(e).__name__}); "
+              "%cluster restart if ranks are stuck", file=sys.stderr)
+        return None
+
+
+def compare(state: Session, cluster: RankCluster, code: str, runs: list[tuple[str, object]], *, in_kernel: bool,
+            timeout: float | None, quiet: bool, collective_timeout: float | None = None):
+    """Run the cell once per (name, spec) on the same cluster, then show the comparison."""
+    recorded = []
+    for name, spec in runs:
+        if not quiet:
+            print(f"--- {name} ---")
+        recorded.append(run_strategy(state, cluster, code, spec, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
+                                     name=name, collective_timeout=collective_timeout))
+    show_comparison(recorded, in_kernel)

@@ -1,0 +1,13 @@
+"""The kernel's nbtool state: one Session, owned by the magics instance (no module globals)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Session:
+    """What this kernel remembers between cells."""
+
+    runs: dict = field(default_factory=dict)  # recorded runs by name (a later run takes over its name)
+    last: object = None  # the newest RunRecords, failed runs included (for inspection)
+    commbench: object = None  # the last CommbenchResult, whose link fit the planner uses

@@ -1,0 +1,43 @@
+"""Engine side: the device meshes and sub-groups of this engine's life, made once each.
+
+Creating a mesh or a group is collective (every rank of the world calls it),
+and DeepSpeed caches groups it has seen, so nbtool never destroys and remakes
+them: one registry, keyed by what the group spans, for every strategy and
+%commbench.
+"""
+from __future__ import annotations
+
+_made: dict = {}
+
+
+def world_mesh(device_type: str):
+    """A 1-D mesh over the world (it reuses the default group)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = ("world", device_type)
+    if key not in _made:
+        _made[key] = init_device_mesh(device_type, (dist.get_world_size(),))
+    return _made[key]
+
+
+def layout_mesh(device_type: str, dims):
+    """The ("pp", "dp", "tp") mesh of a ParallelDims layout (tp innermost, as in torchtitan)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = ("layout", device_type, dims.pp, dims.dp, dims.tp)
+    if key not in _made:
+        _made[key] = init_device_mesh(device_type, (dims.pp, dims.dp, dims.tp), mesh_dim_names=("pp", "dp", "tp"))
+    return _made[key]
+
+
+def subgroup(ranks: tuple[int, ...]):
+    """A process group over ``ranks`` (None: the world itself)."""
+    import torch.distributed as dist
+
+    if len(ranks) == dist.get_world_size():
+        return None
+    key = ("group", tuple(ranks))
+    if key not in _made:
+        _made[key] = dist.new_group(list(ranks))
+    return _made[key]

@@ -1,0 +1,367 @@
+"""What a ``%%distributed STRATEGY ...`` line asks for, and the checks that need no model.
+
+Pure Python (no torch import): the kernel builds and checks a StrategySpec
+before anything runs, then sends it to the ranks, which build the strategy
+from it. DeepSpeed configs are generated here too, so the kernel can export
+exactly the JSON the ranks will use.
+"""
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import MISSING, asdict, dataclass, field, fields
+
+NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp")
+SCHEDULES = ("gpipe", "1f1b")
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle fraction of a step for equal stages under GPipe or 1F1B: (p - 1) / (M + p - 1)."""
+    return (stages - 1) / (microbatches + stages - 1)
+# strategies that take a --dp/--tp/--pp layout (fsdp: FSDP over the data-parallel dimension)
+LAYOUT_NAMES = ("tp", "pp", "fsdp")
+PRECISIONS = ("fp32", "bf16", "fp16")
+OFFLOADS = ("optimizer", "params", "both")
+
+
+class SpecError(ValueError):
+    """A strategy option conflict, with the fix in the message."""
+
+
+ZERO_NAMES = ("zero1", "zero2", "zero3")
+EVERY = NAMES
+
+
+def option(default=None, *, group: str, help: str, applies: tuple[str, ...] = EVERY, flag: str | None = None,
+           kind: str = "value", arg_default=None, refuse: str | None = None, compare: bool = True, **argparse):
+    """A StrategySpec field that is also a ``%%distributed`` option (the one table of options).
+
+    ``flag``: the option's name on the line (default: the field's, dashed);
+    ``kind``: how the magic parses it: "value" (one argument, ``argparse`` keywords
+    such as choices, metavar, nargs, const; ``type`` names a checked type of
+    nbtool.options), "switch" (a store_true flag), "off" (``--no-X`` turns a
+    True default off; ``--X`` is accepted too), "both" (``--X`` / ``--no-X``,
+    None when neither is given); ``arg_default``: what argparse stores when the
+    option is absent (None: absent, and the field keeps ``default``);
+    ``applies``: the strategies it applies to (others refuse it, with ``refuse``
+    as the fix when given); ``group``: the section of ``%%distributed?`` it is
+    listed in.
+    """
+    return field(default=default, compare=compare, metadata={
+        "option": True, "group": group, "help": help, "applies": applies, "flag": flag, "kind": kind,
+        "arg_default": arg_default, "refuse": refuse, "argparse": argparse})
+
+
+# sections of %%distributed? in this order; each option names its own
+GROUPS = ("training options", "ddp options", "fsdp options", "zero options", "layout options (tp, pp, fsdp)",
+          "checkpoint options")
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    name: str
+    precision: str = option("fp32", group="training options", choices=PRECISIONS,
+                            help="fp32 (default); bf16/fp16 mixed precision as each strategy implements it")
+    grad_accum: int = option(1, group="training options", type="positive_int", metavar="N",
+                             help="accumulate gradients over N backward() calls per optimizer step")
+    # class name, or "" for the repeated block
+    activation_checkpointing: str | None = option(
+        None, group="training options", nargs="?", const="", metavar="CLASS",
+        help="recompute activations of modules of CLASS in backward (default: the repeated block)")
+    seed: int = option(0, group="training options", type="int",
+                       help="seed torch/random/numpy on every rank (default 0)")
+    grad_clip: float | None = option(  # max global gradient norm; None: no clipping
+        None, group="training options", type="positive_number", metavar="NORM",
+        help="clip the global gradient norm at NORM before each step (default: no clipping)")
+    # ddp
+    bucket_mb: float | None = option(None, group="ddp options", applies=("ddp",), type="positive_number",
+                                     help="gradient bucket size in MiB")
+    grad_as_bucket_view: bool = option(False, group="ddp options", applies=("ddp",), kind="switch",
+                                       help="gradients are views into buckets")
+    static_graph: bool = option(False, group="ddp options", applies=("ddp",), kind="switch",
+                                help="the graph is the same every step")
+    # fsdp
+    reshard_after_forward: bool = option(
+        True, group="fsdp options", applies=("fsdp",), kind="off",
+        help="keep gathered parameters until backward (ZeRO-2-like); by default they are freed after "
+             "forward (ZeRO-3-like)")
+    wrap: tuple[str, ...] = option((), group="fsdp options", applies=("fsdp",), type="class_list",
+                                   metavar="CLASS[,CLASS]",
+                                   help="shard modules of these classes as their own units (root wrapped last)")
+    # fsdp (policy) and zero (optimizer|params|both)
+    offload: str | None = option(
+        None, group="zero options", applies=("fsdp",) + ZERO_NAMES, nargs="?", const="both", choices=OFFLOADS,
+        refuse="use fsdp --offload or zero3 --offload both (DDP keeps a full replica on every device)",
+        help="zero*: offload optimizer, params (zero3) or both to cpu; fsdp: CPUOffloadPolicy (both)")
+    # zero
+    overlap_comm: bool | None = option(None, group="zero options", applies=ZERO_NAMES, kind="both",
+                                       help="overlap gradient reduction with backward")
+    contiguous_gradients: bool | None = option(None, group="zero options", applies=ZERO_NAMES, kind="both",
+                                               help="copy gradients into one contiguous buffer")
+    reduce_bucket_mb: float | None = option(None, group="zero options", applies=ZERO_NAMES,
+                                            type="positive_number", help="reduce bucket size, MiB")
+    allgather_bucket_mb: float | None = option(None, group="zero options", applies=ZERO_NAMES,
+                                               type="positive_number", help="all-gather bucket size, MiB")
+    micro_batch: int = option(8, group="zero options", type="positive_int",
+                              help="train_micro_batch_size_per_gpu in the DeepSpeed config (default 8)")
+    # tp / pp / fsdp: the parallel layout (None: worked out from the world size, see ParallelDims)
+    dp: int | None = option(None, group="layout options (tp, pp, fsdp)", applies=LAYOUT_NAMES,
+                            type="positive_int", metavar="D", refuse="it applies to tp, pp, fsdp "
+                            "(e.g. %%distributed fsdp --dp 2)",
+                            help="data-parallel size of the layout (default: the ranks left over)")
+    tp: int | None = option(None, group="layout options (tp, pp, fsdp)", applies=LAYOUT_NAMES,
+                            type="positive_int", metavar="T", refuse="it applies to tp, pp, fsdp "
+                            "(e.g. %%distributed fsdp --tp 2)",
+                            help="tensor-parallel size (DTensor ColwiseParallel/RowwiseParallel plan)")
+    pp: int | None = option(None, group="layout options (tp, pp, fsdp)", applies=LAYOUT_NAMES,
+                            type="positive_int", metavar="P", refuse="it applies to tp, pp, fsdp "
+                            "(e.g. %%distributed fsdp --pp 2)",
+                            help="pipeline stages (torch.distributed.pipelining)")
+    # sequence parallelism in the non-tensor-parallel regions (needs tp > 1; checked with the layout)
+    sp: bool = option(False, group="layout options (tp, pp, fsdp)", kind="switch",
+                      help="tp: sequence parallelism (activations split along the sequence outside TP regions)")
+    microbatches: int | None = option(None, group="layout options (tp, pp, fsdp)", type="positive_int",
+                                      metavar="M", help="pp: micro-batches per batch (default 2 x pp)")
+    schedule: str | None = option(None, group="layout options (tp, pp, fsdp)", choices=SCHEDULES,
+                                  help="pp: gpipe or 1f1b (default 1f1b)")
+    ds_config: dict | None = option(None, group="zero options", applies=ZERO_NAMES, type="json_file", compare=False,
+                                    metavar="FILE", help="start from this DeepSpeed JSON")
+    # every N optimizer steps, save a checkpoint to checkpoint_dir (nbtool.rank.checkpoint)
+    checkpoint_every: int | None = option(None, group="checkpoint options", type="positive_int", metavar="N",
+                                          help="save a checkpoint (strategy.save) every N optimizer steps")
+    checkpoint_dir: str | None = option(None, group="checkpoint options", metavar="DIR",
+                                        help="where --checkpoint-every saves (default: ./checkpoints)")
+
+    @property
+    def is_zero(self) -> bool:
+        return self.name.startswith("zero")
+
+    @property
+    def stage(self) -> int:
+        return int(self.name[-1]) if self.is_zero else 0
+
+    @property
+    def is_mesh(self) -> bool:
+        """True when the run needs a device mesh with tp or pp (nbtool.rank.strategies.mesh)."""
+        return self.name in ("tp", "pp") or (self.name == "fsdp" and ((self.tp or 1) > 1 or (self.pp or 1) > 1))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+OPTION_FIELDS = tuple(f for f in fields(StrategySpec) if f.metadata.get("option"))
+
+
+def flag_of(f) -> str:
+    """The option's name on a %%distributed line, as a user writes it when it is set."""
+    name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return "--no-" + name[2:] if f.metadata["kind"] == "off" else name
+
+
+def given(spec: StrategySpec, f) -> bool:
+    """True when the line set this option (its value differs from the field's default)."""
+    default = f.default if f.default is not MISSING else None
+    return getattr(spec, f.name) != default
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """A parallel layout: data x tensor x pipeline sizes (torchtitan's name), with world = dp * tp * pp."""
+
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+
+    def __iter__(self):  # dp, tp, pp = dims
+        return iter((self.dp, self.tp, self.pp))
+
+    @property
+    def world_size(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @classmethod
+    def resolve(cls, spec: StrategySpec, world_size: int) -> "ParallelDims":
+        """The layout ``spec`` asks for on ``world_size`` ranks, checked with the arithmetic in the message.
+
+        The strategy's own dimension (tp for tp, pp for pp, dp for fsdp) takes the
+        ranks the others leave when it is not given; after that dp does; anything
+        still unset is 1.
+        """
+        dims = {"dp": spec.dp, "tp": spec.tp, "pp": spec.pp}
+        for name, value in dims.items():
+            if value is not None and value < 1:
+                raise SpecError(f"--{name} {value}: must be >= 1")
+        own = {"tp": "tp", "pp": "pp"}.get(spec.name, "dp")
+        free = own if dims[own] is None else ("dp" if dims["dp"] is None else None)
+        if free is not None:
+            fixed = {k: v or 1 for k, v in dims.items() if k != free}
+            prod = 1
+            for v in fixed.values():
+                prod *= v
+            if world_size % prod:
+                given_ = " * ".join(f"{k}({v})" for k, v in fixed.items())
+                raise SpecError(f"{given_} = {prod} does not divide world_size({world_size}); "
+                                f"choose sizes whose product divides {world_size}")
+            dims[free] = world_size // prod
+        dp, tp, pp = (dims[k] or 1 for k in ("dp", "tp", "pp"))
+        if dp * tp * pp != world_size:
+            raise SpecError(f"dp({dp}) * tp({tp}) * pp({pp}) != world_size({world_size}); "
+                            f"the layout must use every rank exactly once")
+        if spec.name == "tp" and tp < 2:
+            raise SpecError(f"tp({tp}): tensor parallelism needs --tp >= 2 (this cluster has {world_size} ranks)")
+        if spec.name == "pp" and pp < 2:
+            raise SpecError(f"pp({pp}): pipeline parallelism needs --pp >= 2 (this cluster has {world_size} ranks)")
+        return cls(dp, tp, pp)
+
+
+def _refuse_inapplicable(spec: StrategySpec, names: tuple[str, ...] | None = None) -> None:
+    """Options given on the line that the strategy does not take (the table's ``applies``)."""
+    for f in OPTION_FIELDS:
+        if names is not None and f.name not in names:
+            continue
+        allowed = f.metadata["applies"]
+        if spec.name not in allowed and given(spec, f):
+            fix = f.metadata["refuse"] or f"it applies to {', '.join(allowed)}"
+            raise SpecError(f"{flag_of(f)} does not apply to {spec.name}; {fix}")
+
+
+def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = "cpu",
+             world_size: int | None = None) -> None:
+    """Refuse option combinations that cannot work, before anything runs."""
+    n = spec.name
+    if n not in NAMES:
+        raise SpecError(f"unknown strategy {n!r}; allowed: {', '.join(NAMES)}")
+    _validate_layout(spec, world_size)
+    if spec.precision not in PRECISIONS:
+        raise SpecError(f"--precision {spec.precision!r}; allowed: {', '.join(PRECISIONS)}")
+    if spec.grad_clip is not None and spec.grad_clip <= 0:
+        raise SpecError(f"--grad-clip {spec.grad_clip}: must be > 0 (omit it for no clipping)")
+    if spec.grad_accum < 1:
+        raise SpecError(f"--grad-accum {spec.grad_accum}: must be >= 1")
+    if spec.checkpoint_dir is not None and spec.checkpoint_every is None:
+        raise SpecError(f"--checkpoint-dir {spec.checkpoint_dir!r} needs --checkpoint-every N (optimizer steps)")
+    _refuse_inapplicable(spec)
+    if spec.offload is not None:
+        if spec.offload not in OFFLOADS:
+            raise SpecError(f"--offload {spec.offload!r}; allowed: {', '.join(OFFLOADS)}")
+        if n == "fsdp" and spec.offload != "both":
+            raise SpecError(
+                f"fsdp --offload {spec.offload}: FSDP's CPUOffloadPolicy moves parameters, gradients and "
+                "optimizer state together; use --offload both (or zero2/zero3 to offload one part)"
+            )
+        if n in ("zero1", "zero2") and spec.offload in ("params", "both"):
+            raise SpecError(
+                f"{n} --offload {spec.offload}: DeepSpeed offloads parameters only in ZeRO stage 3; "
+                "use zero3, or --offload optimizer"
+            )
+    if spec.precision == "fp16":
+        if n == "fsdp":
+            raise SpecError(
+                "fsdp --precision fp16: nbtool wires no loss scaler into FSDP2, and fp16 without one "
+                "underflows; use --precision bf16 (or ddp / zero* with fp16 on GPUs)"
+            )
+        if spec.is_zero and device_kind == "cpu":
+            raise SpecError(
+                f"{n} --precision fp16 on CPU ranks: DeepSpeed's CPU accelerator has no fp16 loss "
+                "scaling; use --precision bf16"
+            )
+    if spec.is_zero and backend not in (None, "gloo", "nccl"):
+        raise SpecError(f"{n} needs a gloo or nccl process group; this cluster uses {backend}")
+    if spec.is_zero and spec.ds_config is not None:
+        stage = (spec.ds_config.get("zero_optimization") or {}).get("stage")
+        if stage not in (None, spec.stage):
+            raise SpecError(
+                f"--ds-config has zero_optimization.stage {stage} but the strategy is {n}; "
+                f"use %%distributed zero{stage}, or change the file"
+            )
+
+
+def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
+    """The tp/pp/sp options: which strategies take them, and the layout arithmetic."""
+    n = spec.name
+    _refuse_inapplicable(spec, ("dp", "tp", "pp"))
+    if world_size is not None and n in LAYOUT_NAMES:
+        _, tp, pp = ParallelDims.resolve(spec, world_size)
+    else:
+        tp, pp =  spec.tp or (2 if n == "tp" else 1), spec.pp or (2 if n == "pp" else 1)
+    if spec.sp and tp < 2:
+        raise SpecError(f"--sp splits activations along the sequence inside a tensor-parallel group; "
+                        f"it needs tp >= 2 (got tp({tp})): use %%distributed tp --tp 2 --sp")
+    if pp < 2:
+        for opt, given in (("--microbatches", spec.microbatches), ("--schedule", spec.schedule)):
+            if given is not None:
+                raise SpecError(f"{opt} applies to pipeline parallelism; it needs pp >= 2 (got pp({pp})): "
+                                f"use %%distributed pp --pp 2 {opt} ...")
+    else:
+        if spec.schedule is not None and spec.schedule not in SCHEDULES:
+            raise SpecError(f"--schedule {spec.schedule!r}; allowed: {', '.join(SCHEDULES)}")
+        if spec.microbatches is not None and spec.microbatches < pp:
+            raise SpecError(f"--microbatches {spec.microbatches} is fewer than the pp({pp}) stages; "
+                            f"every stage needs work: use --microbatches >= {pp}")
+        if spec.grad_clip is not None:
+            raise SpecError("--grad-clip with pipeline parallelism: each stage holds part of the gradients "
+                            "and nbtool does not compute their global norm across stages; drop --grad-clip")
+        if spec.grad_accum > 1:
+            raise SpecError("--grad-accum with pipeline parallelism: the micro-batches already accumulate "
+                            "gradients within a step; use --microbatches M")
+    if not spec.is_mesh:
+        return
+    if spec.offload is not None:
+        raise SpecError(f"--offload with tp({tp}) / pp({pp}): nbtool offloads only plain fsdp and zero*; "
+                        "drop --offload, or use fsdp --offload without --tp/--pp")
+    if spec.precision != "fp32" and n != "fsdp":
+        raise SpecError(f"{n} --precision {spec.precision}: tp and pp run in fp32; for bf16 use "
+                        f"fsdp --tp {tp} (FSDP's MixedPrecisionPolicy over the data-parallel dimension)")
+
+
+def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
+    """The DeepSpeed JSON for ``spec``: the user's --ds-config, with the options filled in.
+
+    Options given on the line replace the file's values (stage, offload,
+    buckets, precision, clipping); ``train_micro_batch_size_per_gpu`` and
+    ``gradient_accumulation_steps`` from the file are kept when present.
+
+    Runs on a torch optimizer passed as DeepSpeed's client optimizer (no C++
+    op to compile), hence zero_allow_untested_optimizer and, with optimizer
+    offload, zero_force_ds_cpu_optimizer = false.
+    """
+    cfg = copy.deepcopy(spec.ds_config) if spec.ds_config else {}
+    cfg.setdefault("train_micro_batch_size_per_gpu", spec.micro_batch)
+    cfg.setdefault("gradient_accumulation_steps", spec.grad_accum)
+    cfg.pop("train_batch_size", None)  # derived by DeepSpeed: micro * accum * world
+    # DeepSpeed 0.19's default gradient_clipping is 1.0 (constants.py); DDP and FSDP never clip.
+    # Say it explicitly so the same cell means the same maths under every strategy.
+    if spec.grad_clip is not None or "gradient_clipping" not in cfg:
+        cfg["gradient_clipping"] = spec.grad_clip or 0.0
+    zero = cfg.setdefault("zero_optimization", {})
+    zero["stage"] = spec.stage
+    if spec.overlap_comm is not None:
+        zero["overlap_comm"] = spec.overlap_comm
+    if spec.contiguous_gradients is not None:
+        zero["contiguous_gradients"] = spec.contiguous_gradients
+    if spec.reduce_bucket_mb is not None:
+        zero["reduce_bucket_size"] = int(spec.reduce_bucket_mb * 2**20)
+    if spec.allgather_bucket_mb is not None:
+        zero["allgather_bucket_size"] = int(spec.allgather_bucket_mb * 2**20)
+    if spec.offload in ("optimizer", "both"):
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if spec.offload in ("params", "both"):
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    if spec.precision == "bf16":
+        cfg["bf16"] = {"enabled": True}
+        cfg.pop("fp16", None)
+    elif spec.precision == "fp16":
+        cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
+        cfg.pop("bf16", None)
+    elif not spec.ds_config:
+        cfg["bf16"] = {"enabled": False}
+    cfg.setdefault("zero_allow_untested_optimizer", True)
+    if "offload_optimizer" in zero:
+        cfg.setdefault("zero_force_ds_cpu_optimizer", False)
+    cfg.setdefault("steps_per_print", 10**9)  # keep DeepSpeed's periodic log out of cells
+    cfg.setdefault("wall_clock_breakdown", False)
+    return cfg
+
+
+def dumps_config(cfg: dict) -> str:
+    return json.dumps(cfg, indent=2, sort_keys=True) + "\n"
