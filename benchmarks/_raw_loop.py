@@ -15,7 +15,7 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch
 import torch.distributed as dist
 
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from nbtool.spec import StrategySpec, deepspeed_config
 
 MODEL = dict(vocab=256, dim=256, heads=4, layers=4, seq=32)

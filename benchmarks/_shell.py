@@ -24,7 +24,7 @@ def nbtool_cluster(ip):
 # in ``times`` on the ranks.
 TRAIN_CELL = """%%distributed {line} --quiet
 import time
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = strategy.prepare(model, optimizer)

@@ -19,7 +19,7 @@ import argparse
 from _shell import cluster_shell
 
 CELL = """%%distributed pp --pp 2 --microbatches {m} --schedule {schedule} --quiet
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 torch.manual_seed(0)
 model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)

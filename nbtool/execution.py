@@ -16,7 +16,7 @@ import ipyparallel as ipp
 from . import faults
 from .cluster import GroupClosed, RankCluster
 from .options import label_ranks
-from .rank_output import RankOutputView, snapshot
+from .widgets.rank_output import RankOutputView, snapshot
 
 TICK_S = 0.05
 # after a rank fails, how long the others may keep running before they are stopped
@@ -224,15 +224,21 @@ def _error_of(f):
 
 def _collect_errors(cluster, children, texts) -> list[tuple[list[int], object]]:
     """Distinct errors with their ranks: dead ranks, then causes, then consequences."""
-    by_key: dict[tuple[str, str], tuple[list[int], object]] = {}
+    found = []
     for i, (rank, f) in enumerate(children):
-        if not f.done():
-            continue
-        err = _error_of(f)
+        err = _error_of(f) if f.done() else None
         if err is None:
             continue
         if faults.is_engine_death(err):
             err = faults.death_record(cluster, rank, texts[i] if texts else "")
+        found.append((rank, err))
+    return group_errors(found)
+
+
+def group_errors(rank_errors) -> list[tuple[list[int], object]]:
+    """[(rank, error)] -> [(ranks, error)], one per distinct error: dead ranks, then causes, then consequences."""
+    by_key: dict[tuple[str, str], tuple[list[int], object]] = {}
+    for rank, err in rank_errors:
         key = (getattr(err, "ename", type(err).__name__), getattr(err, "evalue", str(err)))
         by_key.setdefault(key, ([], err))[0].append(rank)
 

@@ -406,7 +406,8 @@ class NbtoolMagics(Magics):
         args = parse_argstring(self.dist_plan, line)
         if args.vs_last:
             return actions.plan.plan_vs_last(self.session)
-        return actions.plan.plan(self.session, args, self.rank_cluster, self.in_kernel, self.shell)
+        req = actions.plan.request(args)  # presets resolved, counts checked: before the cluster is asked
+        return actions.plan.plan(self.session, req, self.rank_cluster, self.in_kernel, self.shell)
 
     # -- %dist_checkpoint -----------------------------------------------------
     @magic_arguments()

@@ -23,7 +23,7 @@ ARTIFACTS = Path(__file__).resolve().parents[1] / "out" / "browser"
 SETUP = "%load_ext nbtool\n%cluster start -n 2"
 DATA = """%%distributed --quiet
 import time
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 data = SyntheticTokens(samples=2048, seq=16, vocab=256)"""
 # slow enough (~0.25 s a step) that the page can be read several times mid-run
 TRAIN = """%%distributed ddp

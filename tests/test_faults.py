@@ -201,7 +201,7 @@ else:
 
 # -- checkpoints ---------------------------------------------------------------------
 
-SETUP = """from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+SETUP = """from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 torch.manual_seed(0)
 model = TinyTransformer(vocab=64, dim=32, heads=2, layers=2)
 opt = torch.optim.Adam(model.parameters(), lr=1e-2)

@@ -135,7 +135,7 @@ display(HTML(f"<b>from rank {rank}</b>"))
     # then a static plotly copy, then the one-line summary
     reply, msgs = execute(kc, """%%distributed ddp
 import time
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 m = TinyTransformer()
 model, optimizer = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
 for i, (x, y) in enumerate(strategy.dataloader(SyntheticTokens(64), batch_size=4)):

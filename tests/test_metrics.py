@@ -10,13 +10,13 @@ from IPython.core.error import UsageError
 from helpers import run
 import nbtool
 from nbtool import metrics, run_analysis
-from nbtool.example_models import TinyTransformer
+from nbtool.rank.example_models import TinyTransformer
 from nbtool.metrics import CommRecord, MemorySample, RunRecords, ScalarRecord, StepMarker
 
 PSI_BYTES = 4 * sum(p.numel() for p in TinyTransformer().parameters())
 
 SETUP = """%%distributed --quiet
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 _data = SyntheticTokens(128)
 def _fit(strategy, steps=4):
     model = TinyTransformer()

@@ -9,7 +9,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbtool
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from nbtool.execution import RankError
 from nbtool.magics import parse_strategy_line
 from nbtool.plan import HARDWARE_PRESETS, MODEL_PRESETS, Training, recommend
@@ -18,7 +18,7 @@ from nbtool.spec import ParallelDims, SpecError, StrategySpec
 STEPS, BATCH, LR = 4, 8, 0.1
 
 SETUP = """%%distributed --quiet
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 _pdata = SyntheticTokens(64)
 
 def _ptrain(strategy, layers=2, steps=4, batch=8, **prepare):
@@ -188,7 +188,7 @@ import copy
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from nbtool.parallel_layers import ColumnParallelLinear, RowParallelLinear
+from nbtool.rank.parallel_layers import ColumnParallelLinear, RowParallelLinear
 from nbtool.rank import watchdog
 torch.manual_seed(0)
 full = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))

@@ -11,12 +11,12 @@ import pytest
 import torch
 
 import nbtool
-from nbtool.example_models import SyntheticTokens, TinyTransformer, lm_loss
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 
 STEPS, BATCH, LR = 3, 8, 0.1
 
 SETUP = """%%distributed --quiet
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 _pdata = SyntheticTokens(64)
 
 def _ptrain(strategy, steps=3, batch=4):

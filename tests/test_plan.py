@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nbtool.example_models import TinyTransformer
+from nbtool.rank.example_models import TinyTransformer
 from nbtool.plan import paper_bytes
 from nbtool.plan.estimate import estimate
 from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
@@ -53,7 +53,7 @@ def test_matches_deepspeed_estimators(nodes, per_node):
 
 
 LEDGER_SETUP = """%%distributed --quiet
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 def _one_step(strategy):
     m = TinyTransformer()
     model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))

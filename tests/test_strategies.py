@@ -8,7 +8,7 @@ import torch
 from IPython.core.error import UsageError
 
 from helpers import run
-from nbtool.example_models import TinyTransformer
+from nbtool.rank.example_models import TinyTransformer
 from nbtool.execution import RankError
 from nbtool.plan import expected_ledger, paper_bytes
 
@@ -17,7 +17,7 @@ PSI = sum(NUMELS)
 CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
 
 SETUP = """%%distributed --quiet
-from nbtool.example_models import TinyTransformer, SyntheticTokens, lm_loss
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 _data = SyntheticTokens(128)
 
 def _train(strategy, steps=5, batch=4, lr=1e-2, sgd=False):

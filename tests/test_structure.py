@@ -74,7 +74,8 @@ def test_help_lists_the_options_in_sections():
 def test_engine_code_imports_no_display_code():
     code = ("import sys, nbtool.rank, nbtool.rank.bootstrap, nbtool.rank.strategies, nbtool.rank.recorder, "
             "nbtool.rank.watchdog, nbtool.rank.checkpoint, nbtool.rank.commbench, nbtool.rank.pipeline, "
-            "nbtool.rank.tp_plan, nbtool.spec, nbtool.protocol\n"
+            "nbtool.rank.tp_plan, nbtool.rank.example_models, nbtool.rank.parallel_layers, nbtool.rank.groups, "
+            "nbtool.spec, nbtool.protocol\n"
             "bad = [m for m in sys.modules if m.startswith(('IPython.display', 'IPython.core.display', "
             "'ipywidgets', 'plotly', 'nbtool.widgets', 'ipylab', 'kaleido'))]\n"
             "print(bad)")
@@ -97,3 +98,23 @@ def test_the_spec_is_pure_and_shared():
 
     assert Path(nbtool.spec.__file__).parent.name == "nbtool"  # not under rank/: the kernel uses it too
     assert all(f.metadata.get("option") for f in fields(StrategySpec) if f.name != "name")
+
+
+def test_parallel_layers_built_directly_start_as_the_linear_they_split(tmp_path):
+    """Megatron's initialisation: the whole weight initialised with the rank's seed, this rank's part kept."""
+    code = f"""
+import torch, torch.distributed as dist
+from torch import nn
+dist.init_process_group("gloo", rank=0, world_size=1, store=dist.FileStore({str(tmp_path / 'store')!r}, 1))
+from nbtool.rank.parallel_layers import ColumnParallelLinear, RowParallelLinear
+torch.manual_seed(3); col = ColumnParallelLinear(8, 16)
+torch.manual_seed(3); ref = nn.Linear(8, 16)
+torch.manual_seed(4); row = RowParallelLinear(16, 8)
+torch.manual_seed(4); ref2 = nn.Linear(16, 8)
+print(torch.equal(col.weight, ref.weight), torch.equal(row.weight, ref2.weight),
+      bool(col.bias.eq(0).all()), float(col.weight.abs().max()) > 0)
+dist.destroy_process_group()
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "True", "True", "True"]

@@ -114,6 +114,10 @@ def show_figure(fig) -> None:
 
 _retired: list = []  # (time retired, object with close()) of replaced live widgets
 RETIRE_S = 5.0
+# a FigureWidget's view removed before plotly.js has drawn it fails in the page ("el.on is not a
+# function": plotly's widget hooks its events after newPlot resolves); a live plot is kept this long
+LIVE_MIN_S = 3.0
+_shown: dict = {}  # display id -> time.monotonic() when shown
 
 
 def show_live(widget) -> str:
@@ -121,6 +125,7 @@ def show_live(widget) -> str:
     _close_retired()
     did = f"nbtool-live-{next(_ids)}"
     display(widget, display_id=did)
+    _shown[did] = time.monotonic()
     return did
 
 
@@ -133,6 +138,11 @@ def replace_live(display_id: str, fig=None, retire=None) -> None:
     no comm channel defined" in the browser's console. A retired view's
     FigureWidget is neither closed nor updated (see Dashboard.close).
     """
+    from .front_end import renders_plotly
+
+    age = time.monotonic() - _shown.pop(display_id, 0.0)
+    if age < LIVE_MIN_S and renders_plotly():  # only a page draws it; headless runs never wait
+        time.sleep(LIVE_MIN_S - age)
     if fig is None:
         update_display({"text/plain": ""}, raw=True, display_id=display_id)
     else:

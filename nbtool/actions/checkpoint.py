@@ -10,7 +10,7 @@ from .common import prepare_cell
 
 def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = True) -> dict:
     """%dist_checkpoint: save or load on every rank through the last strategy cell's strategy."""
-    from ..execution import RankError
+    from ..execution import RankError, group_errors
     from ..faults import RankFailure
     from ..rank import strategies
 
@@ -29,11 +29,8 @@ def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = T
     except ipp.error.CompositeError as e:
         if all(ename == "StrategyError" for ename, *_ in e.elist):  # nothing prepared: a usage mistake
             raise UsageError(f"%dist_checkpoint {action}: {e.elist[0][1]}") from None
-        groups: dict = {}
-        for ename, evalue, tb, info in e.elist:
-            groups.setdefault((ename, evalue), ([], RankFailure(ename, evalue)))[0].append(
-                cluster.rank_of(info["engine_id"]))
-        raise RankError(sorted(groups.values(), key=lambda g: g[0][0])) from None
+        raise RankError(group_errors((cluster.rank_of(info["engine_id"]), RankFailure(ename, evalue))
+                                     for ename, evalue, _, info in e.elist)) from None
     info = results[0]
     if action == "save":
         print(f"saved step {info['steps']} to {info['path']}/{info['dir']} "

@@ -1,27 +1,30 @@
 """%dist_plan: the picker, the ranked recommendation as text, and predicted against measured (--vs-last)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from IPython.core.error import UsageError
 
 from .state import Session
 
 
-def plan(state: Session, args, cluster, in_kernel: bool, shell):
-    """%dist_plan: the picker widget, or the ranked recommendation as text."""
+@dataclass(frozen=True)
+class PlanRequest:
+    """What %dist_plan was asked, with presets already resolved by the magic (see ``request``)."""
+
+    model_name: str = "GPT-2 small (124M)"  # a MODEL_PRESETS name (used when shape is None)
+    shape: object = None  # a ModelShape from a parameter count
+    hardware: object = None  # a Hardware preset; None: this cluster's, detected, if one runs
+    devices: int | None = None
+    training: object = None  # a Training
+    text: bool = False  # the ranking as text instead of the picker
+
+
+def request(args) -> PlanRequest:
+    """The typed request of a parsed %dist_plan line: presets by forgiving names, counts like 7e9."""
     from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, ModelShape, Training
-    from ..plan.recommend import recommend, runnable_choices
 
-    hw = None
-    if args.hardware is not None:
-        hw = HARDWARE_PRESETS[_preset(args.hardware, HARDWARE_PRESETS, "--hardware")]
-    elif cluster is not None and cluster.running:
-        from ..plan.detect import hardware_from_facts
-        from ..rank.bootstrap import hardware_facts
-
-        facts = cluster.view([0]).apply_sync(hardware_facts)[0]
-        hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend)
-        if state.commbench is not None and "all_reduce" in state.commbench.fits:
-            hw = hw.with_commbench(state.commbench)
+    hw = HARDWARE_PRESETS[_preset(args.hardware, HARDWARE_PRESETS, "--hardware")] if args.hardware else None
     model_name, shape = "GPT-2 small (124M)", None
     if args.model is not None:
         if not args.model.replace(".", "").replace("e", "").replace("E", "").isdigit():
@@ -34,28 +37,46 @@ def plan(state: Session, args, cluster, in_kernel: bool, shell):
                                  "or a parameter count like 7e9") from None
             if shape.params < 1:
                 raise UsageError(f"--model {args.model!r}: the parameter count must be >= 1")
-    if in_kernel and not args.text:
+    training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
+                        checkpointing=args.checkpointing)
+    return PlanRequest(model_name, shape, hw, args.devices, training, args.text)
+
+
+def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
+    """%dist_plan: the picker widget, or the ranked recommendation as text."""
+    from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS
+    from ..plan.recommend import recommend, runnable_choices
+
+    hw = req.hardware
+    if hw is None and cluster is not None and cluster.running:
+        from ..plan.detect import hardware_from_facts
+        from ..rank.bootstrap import hardware_facts
+
+        facts = cluster.view([0]).apply_sync(hardware_facts)[0]
+        hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend)
+        if state.commbench is not None and "all_reduce" in state.commbench.fits:
+            hw = hw.with_commbench(state.commbench)
+    shape, training = req.shape, req.training
+    if in_kernel and not req.text:
         from ..widgets.picker import Picker
 
-        picker = Picker(hardware=hw, model=model_name if shape is None else "custom", shell=shell)
+        picker = Picker(hardware=hw, model=req.model_name if shape is None else "custom", shell=shell)
         with picker.quiet():  # one chart update after all inputs are set
             if shape is not None:
                 picker.custom_params.value = shape.params / 1e9
-            if args.devices:
-                picker.devices.value = args.devices
-            picker.micro_batch.value = args.micro_batch
-            picker.seq.value = args.seq or 0
-            picker.precision.value = args.precision
-            picker.checkpointing.value = args.checkpointing
+            if req.devices:
+                picker.devices.value = req.devices
+            picker.micro_batch.value = training.micro_batch
+            picker.seq.value = training.seq or 0
+            picker.precision.value = training.precision
+            picker.checkpointing.value = training.checkpointing
         picker.update()
         picker.show()
         return None
     hw = hw or HARDWARE_PRESETS["8x A100-80GB NVLink"]
-    if args.devices:
-        hw = hw.with_devices(args.devices)
-    shape = shape or MODEL_PRESETS[model_name]
-    training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
-                        checkpointing=args.checkpointing)
+    if req.devices:
+        hw = hw.with_devices(req.devices)
+    shape = shape or MODEL_PRESETS[req.model_name]
     rec = recommend(shape, training, hw)
     print(f"{shape.name or shape.params}: {shape.params / 1e9:.2f}B parameters on {hw.devices} x "
           f"{hw.device_memory / 2**30:.0f} GiB ({hw.name}{', measured links' if hw.measured else ''}); "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from IPython.display import display, update_display
 
-from .options import format_ranks
+from nbtool.options import format_ranks
 
 _CR = re.compile(r"[^\n]*\r(?!\n)")  # text a carriage return overwrites (tqdm)
 
