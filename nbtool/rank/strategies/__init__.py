@@ -9,6 +9,7 @@ from ...metrics import RunDescription
 from ...spec import NAMES, StrategySpec
 
 _last = None  # the strategy of the most recent strategy cell on this rank
+_put_back: list = []  # process-wide state the previous strategy had changed and release() restored
 
 
 def build(spec: StrategySpec):
@@ -45,9 +46,11 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
     warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module .* returned a view tensor")
     _stop_recorder()
     if _last is not None:  # the previous strategy (and its model) can go before the new one is built
-        _last.release()
+        _put_back[:] = _last.release() or []
         _last = None
     _last = build(spec)
+    if _put_back:
+        _last.notes.append("put back what the previous strategy had changed process-wide: " + ", ".join(_put_back))
     if metrics:
         import torch.distributed as dist
 

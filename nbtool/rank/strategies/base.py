@@ -44,6 +44,9 @@ class Strategy:
     name = "base"
 
     def __init__(self, spec: StrategySpec, device: torch.device):
+        from .. import global_state
+
+        self._globals = global_state.snapshot()  # as this strategy found them (see release)
         self.spec = spec
         self.device = device
         self.rank = dist.get_rank()
@@ -258,8 +261,15 @@ class Strategy:
             return f"{self.name}: strategy.prepare(model, optimizer) was not called in this cell"
         return f"{self.name}: " + "; ".join(self._summary_parts())
 
-    def release(self) -> None:
-        """Let go of what this strategy set up, when the next strategy cell replaces it."""
+    def release(self) -> list[str]:
+        """Let go of what this strategy set up, when the next strategy cell replaces it.
+
+        Process-wide state it changed (patched torch functions, global hooks,
+        modes: nbtool.rank.global_state) is put back; returns what was.
+        """
+        from .. import global_state
+
+        return global_state.restore(self._globals)
 
     # -- for subclasses --------------------------------------------------------
     def _wrap(self, model, optimizer):

@@ -135,13 +135,14 @@ class ZeroStrategy(Strategy):
         else:
             import deepspeed
 
-            params = dict(module.named_parameters())
+            params = dict(module.named_parameters())  # a tied weight once, under its first name
             with deepspeed.zero.GatheredParameters(list(params.values()), modifier_rank=0):
                 if dist.get_rank() == 0:
                     for name, p in params.items():
                         p.data.copy_(sd[name].to(p.device, p.dtype))
             for name, b in module.named_buffers():
-                b.copy_(sd[name].to(b.device, b.dtype))
+                if name in sd:  # non-persistent buffers are rebuilt by the model, not saved
+                    b.copy_(sd[name].to(b.device, b.dtype))
         self._ds_opt.refresh_fp32_params()  # the optimizer's fp32 master partitions follow the weights
 
     def save_optimizer(self, directory: str) -> None:
@@ -160,6 +161,7 @@ class ZeroStrategy(Strategy):
         if self.model is not None:
             self._engine.destroy()
         _release_deepspeed_globals()
+        return super().release()  # e.g. torch.nn.functional.linear, which zero.Init replaced
 
     def _describe(self):
         d = super()._describe()
@@ -208,9 +210,7 @@ def _release_deepspeed_globals() -> None:
 
 
 def _zero3_shapes(module) -> dict:
-    out = {}
-    for name, p in module.named_parameters():
-        out[name] = (tuple(getattr(p, "ds_shape", p.shape)), p.dtype)
-    for name, b in module.named_buffers():
-        out[name] = (tuple(b.shape), b.dtype)
-    return out
+    """Full shapes of what ``module.state_dict()`` holds: tied weights under each of their names,
+    persistent buffers only (a Hugging Face rotary ``inv_freq`` is neither saved nor required)."""
+    return {k: (tuple(getattr(v, "ds_shape", v.shape)), v.dtype)
+            for k, v in module.state_dict(keep_vars=True).items()}
