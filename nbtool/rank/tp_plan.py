@@ -9,20 +9,30 @@ the common transformer block shape, Megatron's layout:
   reduce-scatter with --sp, ends the region);
 - MLP: up (and gate) column-parallel, down row-parallel;
 - each attention and MLP module gets its input as one replicated DTensor
-  (PrepareModuleInput), so q, k and v share it and backward all-reduces the
-  input gradient once, as Megatron's ``f``: 2 all-reduces forward and 2
-  backward per block;
+  (``BlockInput``: its first positional argument, or a keyword argument such
+  as Hugging Face's ``hidden_states=``), so q, k and v share it and backward
+  all-reduces the input gradient once, as Megatron's ``f``: 2 all-reduces
+  forward and 2 backward per block;
 - with ``sp`` the blocks' layer norms run on sequence shards
   (SequenceParallel), the all-reduces become all-gather + reduce-scatter
   pairs, and the first block's input is split (the last block's output
   gathered) so embeddings and head stay as written.
 
 Everything else (embeddings, final norm, head) stays replicated.
+
+Norms are recognised by behaviour (a module with a 1-D weight of the block's
+width whose output does not change when its input is scaled: LayerNorm,
+RMSNorm, or a model's own class such as nanoGPT's), not by a list of classes.
+Before anything is sharded, ``coverage`` checks the plan against every block:
+parts holding linear weights the plan leaves replicated, and, with ``sp``,
+norms left out, are refused (with sp: a split sequence through a replicated
+part trains wrong) or reported (without: the part is merely not sharded).
 """
 from __future__ import annotations
 
 import fnmatch
 
+import torch
 from torch import nn
 
 from .strategies.base import StrategyError, repeated_block_class
@@ -53,6 +63,8 @@ def default_plan(model: nn.Module, sp: bool) -> dict:
                                                    PrepareModuleInputOutput, PrepareModuleOutput,
                                                    RowwiseParallel, SequenceParallel)
 
+    BlockInput = block_input_style()
+
     prefix, blocks = block_list(model)
     region = Shard(1) if sp else Replicate()  # layout between the tensor-parallel regions
     plan = {}
@@ -63,14 +75,13 @@ def default_plan(model: nn.Module, sp: bool) -> dict:
             linears = {n for n, c in sub.named_children() if isinstance(c, nn.Linear)}
             ins = [n for n in (ATTENTION_IN if linears & set(ATTENTION_IN) else MLP_IN) if n in linears]
             outs = [n for n in (ATTENTION_OUT if linears & set(ATTENTION_IN) else MLP_OUT) if n in linears]
-            if isinstance(sub, nn.LayerNorm) or type(sub).__name__.endswith("RMSNorm"):
+            if is_norm(sub):
                 if sp:
                     plan[f"{base}.{sub_name}"] = SequenceParallel()
                 continue
             if not ins or len(outs) != 1:
                 continue
-            plan[f"{base}.{sub_name}"] = PrepareModuleInput(input_layouts=(region,),
-                                                            desired_input_layouts=(Replicate(),))
+            plan[f"{base}.{sub_name}"] = BlockInput(region)
             for n in ins:
                 plan[f"{base}.{sub_name}.{n}"] = ColwiseParallel()
             plan[f"{base}.{sub_name}.{outs[0]}"] = RowwiseParallel(output_layouts=region)
@@ -176,3 +187,81 @@ def _split_size(m: nn.Module, style) -> int | None:
         return m.embedding_dim if colwise else m.num_embeddings
     return None
 
+
+
+def is_norm(m: nn.Module) -> bool:
+    """A module that normalises over the last dimension: a 1-D weight of size ``n``, output unchanged
+    when the input is scaled (LayerNorm and RMSNorm both are); by name ``*Norm*`` when it cannot run."""
+    w = getattr(m, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or isinstance(m, (nn.Linear, nn.Embedding)):
+        return False
+    try:
+        x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0), dtype=w.dtype)
+        with torch.no_grad():
+            y1, y2 = m(x), m(3.0 * x)
+        return isinstance(y1, torch.Tensor) and y1.shape == x.shape and torch.allclose(y1, y2, atol=1e-4, rtol=1e-3)
+    except Exception:
+        return "Norm" in type(m).__name__ or "norm" in type(m).__name__
+
+
+def coverage(plan: dict, model: nn.Module, sp: bool) -> tuple[list[str], list[str]]:
+    """(block parts with linear weights the plan leaves whole, norms left out of SequenceParallel with sp)."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    prefix, blocks = block_list(model)
+    matched = matching(plan, model)
+    styled = {n: plan[p] for p, names in matched.items() for n in names}
+    replicated, norms = [], []
+    for key, block in blocks.named_children():
+        for name, m in block.named_modules(prefix=f"{prefix}.{key}"):
+            has_weight = isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2
+            if has_weight and not isinstance(m, nn.Embedding) and not isinstance(
+                    styled.get(name), (ColwiseParallel, RowwiseParallel)):
+                replicated.append(f"{name} ({type(m).__name__})")
+            elif sp and is_norm(m) and not isinstance(styled.get(name), SequenceParallel):
+                norms.append(f"{name} ({type(m).__name__})")
+    return replicated, norms
+
+
+def block_input_style():
+    """A ParallelStyle putting a block part's input into the tensor-parallel region as one DTensor.
+
+    Like PrepareModuleInput, but it finds the input whether the part is called
+    positionally (``self.attn(x)``) or by keyword (Hugging Face's
+    ``self.self_attn(hidden_states=x, ...)``, where PrepareModuleInput's
+    ``input_layouts`` fails with "module inputs and input_layouts should have
+    same length!").
+    """
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class BlockInput(ParallelStyle):
+        def __init__(self, layout):
+            super().__init__()
+            self.layout = layout
+
+        def __repr__(self):
+            return f"BlockInput({self.layout} -> Replicate())"
+
+        def _apply(self, module, mesh):
+            layout = self.layout
+
+            def convert(x):
+                if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                    return x
+                return DTensor.from_local(x, mesh, (layout,), run_check=False).redistribute(placements=(Replicate(),))
+
+            def hook(_, args, kwargs):
+                if args:
+                    return (convert(args[0]), *args[1:]), kwargs
+                key = next((k for k in ("hidden_states", "x", "input", "hidden") if k in kwargs), None)
+                if key is None:
+                    key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+                if key is not None:
+                    kwargs = {**kwargs, key: convert(kwargs[key])}
+                return args, kwargs
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+    return BlockInput

@@ -90,6 +90,7 @@ class MeshStrategy(Strategy):
             if plan is None:
                 plan = tp_plan.default_plan(model, self.spec.sp)
                 tp_plan.check_plan(plan, model, self.tp)
+                self._check_coverage(plan, model, tp_plan)
             self.heads = tp_plan.localize_heads(plan, model, self.tp)
             parallelize_module(model, self.mesh["tp"], plan)
             self.plan = plan
@@ -105,6 +106,22 @@ class MeshStrategy(Strategy):
         if self.name == "fsdp" and self.pp == 1:
             self._set_gradient_sync(self.spec.grad_accum == 1)
         return model, optimizer
+
+    def _check_coverage(self, plan, model, tp_plan) -> None:
+        """Before anything is sharded: refuse a plan that would train wrong, say what it leaves whole."""
+        replicated, norms = tp_plan.coverage(plan, model, self.spec.sp)
+        if self.spec.sp and (replicated or norms):
+            parts = ([f"left replicated: {', '.join(replicated[:4])}{' ...' if len(replicated) > 4 else ''}"]
+                     if replicated else []) + ([f"norms not sequence-parallel: {', '.join(norms[:4])}"] if norms else [])
+            raise StrategyError(
+                "--sp splits every block's input along the sequence, so every part of a block must be sharded "
+                f"or sequence-parallel; the default plan leaves {'; '.join(parts)}. nbtool shards projections "
+                "named like q_proj/k_proj/v_proj/o_proj and gate_proj/up_proj/down_proj (nn.Linear); pass "
+                "plan={...} to strategy.prepare for other shapes (fused QKV and transformers' Conv1D are not "
+                "split by the default plan), or drop --sp")
+        if replicated:
+            self.notes.append("tensor parallelism leaves these block parts replicated (not sharded; every rank "
+                              f"computes them whole): {', '.join(replicated)}")
 
     def _refuse_direct_forward(self, module, args):
         if not self._in_schedule:
