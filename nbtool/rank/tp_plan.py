@@ -141,6 +141,16 @@ def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
                                         f"use a tp that divides {size}")
     attention = parallel_attention(plan, matches)
     for name in (n for n in modules if n in attention):
+        head_dim = getattr(modules[name], "head_dim", None)  # Hugging Face attention: heads from the widths
+        if isinstance(head_dim, int) and head_dim > 0:
+            for proj in ATTENTION_IN:
+                lin = modules.get(f"{name}.{proj}")
+                if isinstance(lin, nn.Linear) and (lin.out_features // head_dim) % tp:
+                    heads = lin.out_features // head_dim
+                    kind = "key/value" if proj in ("k_proj", "v_proj", "wk", "wv", "key", "value") else "query"
+                    raise StrategyError(f"{name}.{proj} holds {heads} {kind} head(s) of {head_dim}; tp({tp}) would "
+                                        f"split a head (grouped-query attention needs kv heads divisible by tp): "
+                                        f"use a tp that divides {heads}")
         for attr in HEAD_ATTRS:
             heads = getattr(modules[name], attr, None)
             if isinstance(heads, int) and heads % tp:
