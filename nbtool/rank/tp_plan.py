@@ -249,17 +249,18 @@ def block_input_style():
         def __init__(self, layout):
             super().__init__()
             self.layout = layout
-
-        def __repr__(self):
-            return f"BlockInput({self.layout} -> Replicate())"
+            self.input_layouts, self.desired_input_layouts = (layout,), (Replicate(),)  # for describe()
 
         def _apply(self, module, mesh):
             layout = self.layout
 
             def convert(x):
-                if not isinstance(x, torch.Tensor) or isinstance(x, DTensor):
+                if not isinstance(x, torch.Tensor):
                     return x
-                return DTensor.from_local(x, mesh, (layout,), run_check=False).redistribute(placements=(Replicate(),))
+                if not isinstance(x, DTensor):  # a local tensor in the region's layout
+                    x = DTensor.from_local(x, mesh, (layout,), run_check=False)
+                # once here, so q, k and v (or gate and up) share one gather instead of one each
+                return x if tuple(x.placements) == (Replicate(),) else x.redistribute(placements=(Replicate(),))
 
             def hook(_, args, kwargs):
                 if args:
