@@ -136,6 +136,14 @@ class Lab:
         self.wait(lambda: "| Idle" in self.js("return document.querySelector('#jp-main-statusbar').innerText"),
                   timeout, "the kernel did not become idle")
 
+    def open_notebook7(self, name: str, timeout: float = 90.0) -> None:
+        """Open ``name`` in Notebook 7's own page (served by the same server), kernel idle."""
+        self.driver.get(f"{self.url}/notebooks/{name}?token={self.token}")
+        self.wait(lambda: self.cells() and self.cells()[0].find_element("css selector", ".cm-content").is_displayed(),
+                  timeout, f"notebook {name} did not open in Notebook 7")
+        self.wait(lambda: any(s["kernel"]["execution_state"] == "idle" for s in self.api("sessions")
+                              if s.get("path") == name), timeout, "the kernel did not become idle")
+
     def js(self, script: str, *args):
         return self.driver.execute_script(script, *args)
 

@@ -230,3 +230,24 @@ def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
     assert not errors, errors
 
 
+
+
+def test_apply_writes_the_cell_in_notebook_7(page):
+    """The same picker and Apply in Notebook 7's page (ipylab's extension runs there too)."""
+    lab = page
+    lab.write("plan7.ipynb", notebook(PLAN, "1 + 1"))
+    lab.open_notebook7("plan7.ipynb")
+    # Notebook 7.6 itself logs "Cannot read properties of undefined (reading 'schema')" on opening any
+    # notebook, before any output: only what appears after that counts
+    before = set(lab.console_errors())
+    lab.run_and_wait(0, 60)
+    lab.wait(lambda: lab.plots(0) and sum(lab.plots(0)[0]) > 0, 20, "the picker chart has no bars (Notebook 7)")
+    n = len(lab.cells())
+    chosen = lab.selected(0, "run")
+    button = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0].querySelectorAll('button'))"
+                    ".find(b => b.innerText.startsWith('Apply'))")
+    button.click()
+    lab.wait(lambda: len(lab.cells()) == n + 1, 2.0, "Apply did not insert a cell within 2 s (Notebook 7)")
+    assert lab.cell_text(1).splitlines()[0] == chosen[chosen.index("%%distributed"):]
+    errors = [e for e in lab.console_errors() if "favicon" not in e and e not in before]
+    assert not errors, errors
