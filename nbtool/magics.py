@@ -249,6 +249,10 @@ class NbtoolMagics(Magics):
         body = line.split(None, 1)[1] if len(line.split(None, 1)) > 1 else ""
         names = "|".join(STRATEGIES)
         segments = [seg.strip() for seg in re.split(rf",\s*(?=(?:{names})\b)", body) if seg.strip()]
+        for seg in segments:  # a comma the split kept: the word after it is not a strategy
+            stray = re.search(r",\s+([A-Za-z]\w*)", seg)
+            if stray:
+                raise UsageError(f"compare: {stray.group(1)!r} is not a strategy; allowed: {', '.join(STRATEGIES)}")
         if len(segments) < 2:
             raise UsageError(
                 "compare needs at least two runs, e.g. %%distributed compare ddp, fsdp --precision bf16, zero3"

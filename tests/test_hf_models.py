@@ -182,3 +182,13 @@ def test_sequence_parallel_refuses_what_it_cannot_split(nano):
     text = str(res.error_in_exec)
     assert not res.success and "--sp splits every block's input" in text
     assert "transformer.h.0.attn.c_attn (Linear)" in text
+
+
+def test_zero3_says_what_it_keeps_whole(hf, capsys):
+    """DeepSpeed's persistence threshold (1e5 elements) keeps small tensors whole: the summary says so."""
+    capsys.readouterr()
+    res = hf.run_cell("%%distributed zero3 --no-metrics\n_hf_train(strategy, 'llama', steps=1)")
+    out = capsys.readouterr().out
+    assert res.success
+    assert "parameter tensors" in out and "stay whole on every rank" in out
+    assert "stage3_param_persistence_threshold = 100000 elements" in out

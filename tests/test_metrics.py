@@ -172,6 +172,7 @@ def test_compare_runs_table(ranks, capsys, tmp_path):
     ("%dist_metrics dump x.json", "invalid choice: 'dump'"),
     ("%%distributed compare ddp\nx=1", "compare needs at least two runs"),
     ("%%distributed compare ddp, ddp\nx=1", "'ddp' is listed twice"),
+    ("%%distributed compare ddp, fsdpp\nx=1", "compare: 'fsdpp' is not a strategy; allowed: ddp, fsdp"),
     ("%%distributed compare ddp, fsdp --name a\nx=1", "--name does not apply to a comparison"),
     ("%%distributed --no-metrics\nx=1", "--no-metrics needs a strategy word first"),
 ])

@@ -163,6 +163,17 @@ class ZeroStrategy(Strategy):
         _release_deepspeed_globals()
         return super().release()  # e.g. torch.nn.functional.linear, which zero.Init replaced
 
+    def _kept_whole(self) -> str | None:
+        """What ZeRO-3 leaves unpartitioned (its persistence threshold), said so the ledger is not a surprise."""
+        if self.spec.stage < 3 or self.model is None:
+            return None
+        threshold = self.config["zero_optimization"].get("stage3_param_persistence_threshold", 1e5)  # DeepSpeed's
+        return _kept_whole_text(list(self._engine.module.parameters()), threshold)
+
+    def _summary_parts(self) -> list[str]:
+        whole = self._kept_whole()
+        return super()._summary_parts() + ([whole] if whole else [])
+
     def _describe(self):
         d = super()._describe()
         zero = self.config["zero_optimization"]
@@ -180,10 +191,27 @@ class ZeroStrategy(Strategy):
         if self.config.get("bf16", {}).get("enabled"):
             d.setdefault("notes", []).append(
                 "DeepSpeed bf16 keeps bf16 weights (no autocast): feed token ids or bf16 tensors")
+        whole = self._kept_whole()
+        if whole:
+            d["kept_whole"] = whole
         d["buckets"] = {k: zero.get(k, "DeepSpeed default") for k in
                         ("reduce_bucket_size", "allgather_bucket_size", "overlap_comm", "contiguous_gradients")}
         d["deepspeed_config"] = self.config
         return d
+
+
+def _kept_whole_text(params, threshold) -> str | None:
+    from ...metrics import format_bytes
+
+    whole = [p for p in params if getattr(p, "ds_persist", False)]
+    if not whole:
+        return None
+    size = lambda p: getattr(p, "ds_numel", p.numel()) * p.element_size()
+    kept, total = sum(size(p) for p in whole), sum(size(p) for p in params)
+    return (f"{len(whole)} of {len(params)} parameter tensors ({format_bytes(kept)}, {kept / total:.0%} of the "
+            f"parameter bytes) stay whole on every rank: ZeRO-3 does not partition tensors of at most "
+            f"stage3_param_persistence_threshold = {threshold:g} elements; set it lower in --ds-config to "
+            f"partition them")
 
 
 def _release_deepspeed_globals() -> None:
