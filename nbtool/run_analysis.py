@@ -2,9 +2,12 @@
 
 Step k spans from step k-1's marker to step k's marker on the same rank;
 step 1 (which also holds model set-up) is left out of means. Collectives
-belong to the step during which they were issued. "comm time" sums the
-wall (or device) seconds of those collectives: time spent in or waiting on
-communication, which on CPU ranks is not overlapped with compute.
+belong to the step during which they were issued. "comm time" is busy
+time: the union of the collectives' in-flight intervals (issue to
+completion) within the step, so async collectives that overlap each other
+(ZeRO-3's prefetched all-gathers) count once, never summed; ``comm_summed_s``
+keeps the plain sum for comparison. How much of it the step actually waited
+for (exposed time) is not measured here.
 """
 from __future__ import annotations
 
@@ -27,13 +30,27 @@ def step_table(run: RunRecords, rank: int = 0) -> list[dict]:
         by_op = defaultdict(int)
         for c in cs:
             by_op[c.op] += c.size_bytes
-        comm_s = sum(c.seconds for c in cs)
         duration = cur.t - prev.t
+        comm_s = busy_seconds([(c.t_issue, c.t_issue + c.seconds) for c in cs], prev.t, cur.t)
         rows.append({"step": cur.step, "seconds": duration, "comm_s": comm_s,
+                     "comm_summed_s": sum(c.seconds for c in cs),
                      "compute_s": max(0.0, duration - comm_s), "bytes_by_op": dict(by_op),
                      "bus_bytes": sum(c.bus_bytes for c in cs), "count": len(cs),
                      "count_by_op": {op: sum(1 for c in cs if c.op == op) for op in by_op}})
     return rows
+
+
+def busy_seconds(intervals, lo: float = float("-inf"), hi: float = float("inf")) -> float:
+    """Length of the union of (start, end) intervals, clipped to [lo, hi]: overlaps count once."""
+    total, end = 0.0, lo
+    for a, b in sorted((max(a, lo), min(b, hi)) for a, b in intervals):
+        if b <= a:
+            continue
+        if a > end:
+            total, end = total + (b - a), b
+        elif b > end:
+            total, end = total + (b - end), b
+    return total
 
 
 def straggler_spread(run: RunRecords) -> list[tuple[int, str, float]]:

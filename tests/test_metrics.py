@@ -258,3 +258,19 @@ def test_later_zero_runs_are_recorded_as_fully_as_the_first(ranks):
               for line in ("zero3", "zero2", "zero3")]
     assert counts[2] == counts[0] and counts[0]["all_gather"] > 0
     assert counts[1]["all_gather"] > 0  # zero2 gathers its updated partitions
+
+
+def test_comm_time_is_busy_time_never_a_sum_of_overlapping_calls():
+    from nbtool.run_analysis import busy_seconds, step_table
+
+    assert busy_seconds([(0, 1), (0.5, 2), (3, 4)]) == 3.0  # overlap counted once
+    assert busy_seconds([(0, 1), (0.2, 0.4)]) == 1.0  # nested
+    assert busy_seconds([(0, 10)], 2, 5) == 3.0  # clipped to the step
+    run = RunRecords("async", "zero3", 2, t_start=100.0)
+    run.add([StepMarker(0, 1, 100.0), StepMarker(0, 2, 101.0)])
+    # four prefetched all-gathers in flight together for 0.3 s each: busy 0.3 s, summed 1.2 s
+    run.add([CommRecord(0, i, "all_gather", 2**20, 2**20, 2, "float32", 100.2, 0.3, "wall", 1, 1e9, 1e9)
+             for i in range(4)])
+    (row,) = step_table(run, 0)
+    assert abs(row["comm_s"] - 0.3) < 1e-9 and abs(row["comm_summed_s"] - 1.2) < 1e-9
+    assert row["comm_s"] <= row["seconds"]

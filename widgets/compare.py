@@ -44,7 +44,7 @@ class Comparison:
         cols = ["run", "model state MiB (max rank)", "vs first", "comm bus MiB/step", "vs first",
                 "by op: S MiB/step"]
         if not deterministic:
-            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm ms/step", "final loss"]
+            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm busy ms/step", "final loss"]
         out = []
         for row in self.rows:
             ms = max(row["model_state_bytes"].values() or [0])
@@ -76,7 +76,9 @@ class Comparison:
         note = ("model state = bytes of parameters, gradients, master copies and optimizer state each rank owns "
                 "(ledger, not RSS); comm bus bytes = S x the nccl-tests bus factor of each collective issued per "
                 "optimizer step (what each rank sends/receives; mean of steps 2..N, rank 0), S by op as nccl-tests "
-                "defines it; times are wall time on rank 0; ratios are to the first run")
+                "defines it; times are wall time on rank 0; comm busy = the union of the collectives' in-flight intervals "
+                "within each step (overlapping async collectives count once; how much of it the step waited for is "
+                "not measured); ratios are to the first run")
         return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 

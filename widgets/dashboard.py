@@ -63,7 +63,8 @@ class Dashboard:
         for i, op in enumerate(OPS[:-1]):
             fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=op, marker_symbol="diamond",
                                      marker_color=COLORS[i % len(COLORS)], legendgroup="ops"), 2, 2)
-        fig.add_trace(go.Bar(x=[], y=[], name="step: comm", marker_color="#333333", legendgroup="step"), 2, 3)
+        fig.add_trace(go.Bar(x=[], y=[], name="step: comm (busy: union of in-flight)", marker_color="#333333",
+                             legendgroup="step"), 2, 3)
         fig.add_trace(go.Bar(x=[], y=[], name="step: other (compute, data, optimizer)", marker_color="#c8c8c8",
                              legendgroup="step"), 2, 3)
         self._step_traces = (len(fig.data) - 2, len(fig.data) - 1)
