@@ -87,7 +87,9 @@ class StrategySpec:
              "forward (ZeRO-3-like)")
     wrap: tuple[str, ...] = option((), group="fsdp options", applies=("fsdp",), type="class_list",
                                    metavar="CLASS[,CLASS]",
-                                   help="shard modules of these classes as their own units (root wrapped last)")
+                                   help="shard modules of these classes as their own units (root wrapped last); "
+                                        "default: the repeated blocks (a Hugging Face model's _no_split_modules); "
+                                        "none: the whole model as one unit")
     # fsdp (policy) and zero (optimizer|params|both)
     offload: str | None = option(
         None, group="zero options", applies=("fsdp",) + ZERO_NAMES, nargs="?", const="both", choices=OFFLOADS,

@@ -192,3 +192,14 @@ def test_zero3_says_what_it_keeps_whole(hf, capsys):
     assert res.success
     assert "parameter tensors" in out and "stay whole on every rank" in out
     assert "stage3_param_persistence_threshold = 100000 elements" in out
+
+
+def test_fsdp_shards_each_block_by_default(hf):
+    hf.run_cell("%%distributed fsdp --quiet --no-metrics\n_hf_train(strategy, 'llama', steps=1)\n"
+                "_units = strategy.describe()['units']").raise_error()
+    hf.run_cell("%%distributed fsdp --wrap none --quiet --no-metrics\n_hf_train(strategy, 'llama', steps=1)\n"
+                "_one = strategy.describe()['units']").raise_error()
+    hf.run_line_magic("dist_pull", "_units _one --rank 0")
+    # LlamaForCausalLM._no_split_modules = ["LlamaDecoderLayer"]: each layer a unit, then the root
+    assert hf.user_ns["_units"] == ["model.layers.1", "model.layers.0", "<root>"]
+    assert hf.user_ns["_one"] == ["<root>"]

@@ -363,7 +363,7 @@ class Strategy:
     # -- model checks and activation checkpointing -------------------------------
     def _check_model(self, model: nn.Module) -> None:
         classes = {type(m).__name__ for m in model.modules()}
-        names = list(self.spec.wrap)
+        names = [w for w in self.spec.wrap if w != "none"]  # --wrap none: one unit, the whole model
         if self.spec.activation_checkpointing:
             names.append(self.spec.activation_checkpointing)
         for name in names:

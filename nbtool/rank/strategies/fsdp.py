@@ -15,16 +15,26 @@ from .ledger import Tally
 
 
 
+def default_units(model) -> set[str]:
+    """The block classes fsdp shards as units when --wrap is not given."""
+    from .base import repeated_block_class
+
+    present = {type(m).__name__ for m in model.modules()}
+    hf = set(getattr(model, "_no_split_modules", None) or ()) & present
+    return hf or ({repeated_block_class(model)} - {None})
+
+
 def shard_units(model, mesh, spec) -> list[str]:
     """fully_shard the modules of the --wrap classes (innermost first), then the root; their names.
 
-    Without --wrap under a tp/pp layout, the repeated blocks are the units
-    (torchtitan's choice), so each block's parameters are gathered only
-    around its own forward and backward.
+    Without --wrap the repeated blocks are the units (accelerate's transformer
+    auto-wrap, torchtitan's choice): a Hugging Face model's ``_no_split_modules``
+    classes, else the class its ModuleLists repeat. Each block's parameters are
+    then gathered only around its own forward and backward; one unit for the
+    whole model would gather everything at once and save no memory while it
+    runs. ``--wrap none`` keeps that single unit.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
-
-    from .base import repeated_block_class
 
     kwargs = {"mesh": mesh, "reshard_after_forward": spec.reshard_after_forward}
     if spec.precision == "bf16":
@@ -32,8 +42,9 @@ def shard_units(model, mesh, spec) -> list[str]:
     if spec.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     wrap = set(spec.wrap)
-    if not wrap and spec.is_mesh:
-        wrap = {repeated_block_class(model)} - {None}
+    if not wrap:
+        wrap = default_units(model)
+    wrap.discard("none")
     units = []
     for qualname, module in reversed(list(model.named_modules())):
         if module is not model and type(module).__name__ in wrap:
