@@ -27,7 +27,7 @@ from .options import (
 )
 from .spec import GROUPS as OPTION_GROUPS
 from .spec import NAMES as STRATEGIES
-from .spec import OPTION_FIELDS, PRECISIONS
+from .spec import ABSENT, OPTION_FIELDS, PRECISIONS, flag_name
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
@@ -62,20 +62,20 @@ ARG_TYPES = {"positive_int": positive_int, "positive_number": positive_number, "
 def _option_arguments(fld) -> list:
     """The argparse arguments of one StrategySpec option field (see nbtool.spec.option)."""
     meta = fld.metadata
-    name = meta["flag"] or "--" + fld.name.replace("_", "-")
+    name, kind = flag_name(fld), meta["kind"]
+    absent = ABSENT[kind]
     extra = dict(meta["argparse"])
-    kind = meta["kind"]
     if kind == "switch":
-        return [argument(name, dest=fld.name, action="store_true", help=meta["help"])]
+        return [argument(name, dest=fld.name, action="store_true", default=absent, help=meta["help"])]
     if kind == "off":
-        return [argument(name, dest=fld.name, action="store_true", default=True, help="(the default)"),
+        return [argument(name, dest=fld.name, action="store_true", default=absent, help="(the default)"),
                 argument("--no-" + name[2:], dest=fld.name, action="store_false", help=meta["help"])]
     if kind == "both":
-        return [argument(name, dest=fld.name, action="store_true", default=None, help=meta["help"]),
-                argument("--no-" + name[2:], dest=fld.name, action="store_false", default=None)]
+        return [argument(name, dest=fld.name, action="store_true", default=absent, help=meta["help"]),
+                argument("--no-" + name[2:], dest=fld.name, action="store_false", default=absent)]
     if "type" in extra:
         extra["type"] = ARG_TYPES.get(extra["type"], str)
-    return [argument(name, dest=fld.name, default=meta["arg_default"], help=meta["help"], **extra)]
+    return [argument(name, dest=fld.name, default=absent, help=meta["help"], **extra)]
 
 
 # options of a strategy line that are not part of the spec: how nbtool runs and records the cell

@@ -205,9 +205,7 @@ RUN_FLAGS = {"export_config": "--export-config", "name": "--name", "metrics": "-
 
 def strategy_options_given(args) -> list[str]:
     """The strategy options on a line that has no strategy word (to refuse them)."""
-    from .spec import OPTION_FIELDS, flag_of
+    from .spec import ABSENT, OPTION_FIELDS, flag_of
 
-    absent = {"switch": False, "off": True, "both": None}
-    given = [flag_of(f) for f in OPTION_FIELDS
-             if getattr(args, f.name) != absent.get(f.metadata["kind"], f.metadata["arg_default"])]
+    given = [flag_of(f) for f in OPTION_FIELDS if getattr(args, f.name) != ABSENT[f.metadata["kind"]]]
     return given + [RUN_FLAGS[k] for k, v in RUN_DEFAULTS.items() if getattr(args, k) != v]

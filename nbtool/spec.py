@@ -33,7 +33,7 @@ EVERY = NAMES
 
 
 def option(default=None, *, group: str, help: str, applies: tuple[str, ...] = EVERY, flag: str | None = None,
-           kind: str = "value", arg_default=None, refuse: str | None = None, compare: bool = True, **argparse):
+           kind: str = "value", refuse: str | None = None, compare: bool = True, **argparse):
     """A StrategySpec field that is also a ``%%distributed`` option (the one table of options).
 
     ``flag``: the option's name on the line (default: the field's, dashed);
@@ -41,15 +41,18 @@ def option(default=None, *, group: str, help: str, applies: tuple[str, ...] = EV
     such as choices, metavar, nargs, const; ``type`` names a checked type of
     nbtool.options), "switch" (a store_true flag), "off" (``--no-X`` turns a
     True default off; ``--X`` is accepted too), "both" (``--X`` / ``--no-X``,
-    None when neither is given); ``arg_default``: what argparse stores when the
-    option is absent (None: absent, and the field keeps ``default``);
-    ``applies``: the strategies it applies to (others refuse it, with ``refuse``
+    None when neither is given); what argparse stores when the option is absent
+    is ``ABSENT[kind]`` (None: the field keeps ``default``); ``applies``: the strategies it applies to (others refuse it, with ``refuse``
     as the fix when given); ``group``: the section of ``%%distributed?`` it is
     listed in.
     """
     return field(default=default, compare=compare, metadata={
         "option": True, "group": group, "help": help, "applies": applies, "flag": flag, "kind": kind,
-        "arg_default": arg_default, "refuse": refuse, "argparse": argparse})
+        "refuse": refuse, "argparse": argparse})
+
+
+# what argparse stores for an option the line left out, by kind (see option)
+ABSENT = {"value": None, "switch": False, "off": True, "both": None}
 
 
 # sections of %%distributed? in this order; each option names its own
@@ -154,9 +157,14 @@ class StrategySpec:
 OPTION_FIELDS = tuple(f for f in fields(StrategySpec) if f.metadata.get("option"))
 
 
+def flag_name(f) -> str:
+    """The option's own name: ``--grad-accum`` (an "off" option is written ``--no-`` + it when set)."""
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
 def flag_of(f) -> str:
     """The option's name on a %%distributed line, as a user writes it when it is set."""
-    name = f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    name = flag_name(f)
     return "--no-" + name[2:] if f.metadata["kind"] == "off" else name
 
 

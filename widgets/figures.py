@@ -69,37 +69,28 @@ def _stop_png_server() -> None:
             pass
 
 
-def png_unavailable() -> str | None:
-    """Why static figures carry no PNG in this kernel (None while they do)."""
-    return _png_state["broken"]
-
-
-def figure_bundle(fig, png: bool = True) -> dict:
+def figure_bundle(fig) -> dict:
     """The output bundle of a static figure (see the module docstring)."""
     import warnings
 
-    static = fig if type(fig).__name__ == "Figure" else _plain(fig)
+    import plotly.graph_objects as go
+
+    static = fig if type(fig) is go.Figure else go.Figure(fig)
     bundle = {"application/vnd.plotly.v1+json": static.to_plotly_json(),
               "text/plain": f"<plotly figure: {_title(static)}>"}
     from .front_end import renders_plotly
 
-    if png and renders_plotly():
+    if renders_plotly():
         return bundle  # the page's plotly renderer adds its own PNG to this output
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # kaleido's note that server mode ignores per-call options
-        data = _png(static) if png else None
+        data = _png(static)
     if data is not None:
         bundle["image/png"] = base64.b64encode(data).decode()
     else:
         bundle["text/html"] = static.to_html(full_html=False, include_plotlyjs=True,
                                              config={"displaylogo": False})
     return bundle
-
-
-def _plain(fig):
-    import plotly.graph_objects as go
-
-    return go.Figure(fig)
 
 
 def _title(fig) -> str:

@@ -239,7 +239,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
     ledger_based = not layout.is_zero or not (mixed and adam)
     if ledger_based:
-        led = expected_ledger(layout.ledger_name, t.precision, numels, n, optimizer="adam" if adam else "sgd")
+        led = expected_ledger(layout.strategy, t.precision, numels, n, optimizer="adam" if adam else "sgd")
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
         if layout.is_zero and layout.offload:

@@ -26,11 +26,6 @@ class Layout:
     def is_fsdp(self) -> bool:
         return self.strategy == "fsdp"
 
-    @property
-    def ledger_name(self) -> str:
-        """The strategy whose memory ledger this layout's model states follow (offload aside)."""
-        return self.strategy
-
     def words(self) -> str:
         """The strategy part of its %%distributed line (data-parallel layouts)."""
         out = [self.strategy]

@@ -102,6 +102,7 @@ def close_process_group(peer_fds: list[int] = ()) -> str:
     idle). The group cannot be made again in this engine (DeepSpeed caches
     groups): the cluster needs ``%cluster restart`` for further collectives.
     """
+    import torch
     import torch.distributed as dist
     from torch.distributed import distributed_c10d as c10d
 
@@ -111,7 +112,7 @@ def close_process_group(peer_fds: list[int] = ()) -> str:
     # DeviceMesh or DeepSpeed still holding a group keeps its sockets open and
     # the peer stays blocked. Aborting each backend closes them whoever holds it.
     for pg in list(c10d._world.pg_map):
-        for device in (torch_device("cpu"), torch_device("cuda")):
+        for device in (torch.device("cpu"), torch.device("cuda")):
             try:
                 pg._get_backend(device).abort()
             except Exception:  # no backend for that device type, or already closed
@@ -119,12 +120,6 @@ def close_process_group(peer_fds: list[int] = ()) -> str:
     dist.destroy_process_group()
     _shutdown_sockets(peer_fds)
     return "closed"
-
-
-def torch_device(kind: str):
-    import torch
-
-    return torch.device(kind)
 
 
 def _shutdown_sockets(fds) -> None:
