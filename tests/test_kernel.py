@@ -30,8 +30,11 @@ def execute(kc, code: str, timeout: float = 120.0):
         msgs.append((time.monotonic() - t0, msg))
         if msg["msg_type"] == "status" and msg["content"]["execution_state"] == "idle":
             break
-    reply = kc.get_shell_msg(timeout=timeout)
-    return reply["content"], msgs
+    # start_new_kernel may send kernel_info more than once on a slow machine: skip replies to other requests
+    while True:
+        reply = kc.get_shell_msg(timeout=timeout)
+        if reply["parent_header"].get("msg_id") == msg_id:
+            return reply["content"], msgs
 
 
 def streams(msgs, name="stdout") -> str:
