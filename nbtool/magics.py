@@ -384,7 +384,9 @@ class NbtoolMagics(Magics):
 
     # -- %dist_plan -----------------------------------------------------------
     @magic_arguments()
-    @argument("--model", default=None, help="a preset name (see nbtool.plan.MODEL_PRESETS) or a parameter count like 7e9")
+    @argument("--model", default=None,
+              help="a preset (nbtool.plan.MODEL_PRESETS), a parameter count (7e9, 1.3b, 722k), a variable holding "
+                   "a model (counted on the meta device is fine) or a Hugging Face config, or a config .json path")
     @argument("--hardware", default=None, help="a preset name; default: this cluster if one runs")
     @argument("--devices", type=positive_int, default=None, help="number of devices")
     @argument("--micro-batch", type=positive_int, default=1)
@@ -410,7 +412,7 @@ class NbtoolMagics(Magics):
         args = parse_argstring(self.dist_plan, line)
         if args.vs_last:
             return actions.plan.plan_vs_last(self.session)
-        req = actions.plan.request(args)  # presets resolved, counts checked: before the cluster is asked
+        req = actions.plan.request(args, self.shell.user_ns)  # resolved and checked before the cluster is asked
         return actions.plan.plan(self.session, req, self.rank_cluster, self.in_kernel, self.shell)
 
     # -- %dist_checkpoint -----------------------------------------------------

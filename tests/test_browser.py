@@ -46,7 +46,7 @@ if rank == 0:
 dist.all_reduce(torch.ones(1))"""
 COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp").replace("step == 59", "step == 19")
 COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
-PLAN = "%load_ext nbtool\n%dist_plan --model 7b --hardware a100-40gb"
+PLAN = "%load_ext nbtool\n%dist_plan --model llama-2-7b --hardware a100-40gb"
 
 
 @pytest.fixture(scope="module")

@@ -140,7 +140,7 @@ def test_nothing_fits_says_what_would():
 def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
     ip.run_line_magic("dist_plan", "--text --model 6.6e9 --hardware a100-40gb --checkpointing full")
     out = capsys.readouterr().out
-    assert "6.60B parameters on 8 x 40 GiB" in out
+    assert "6.6B parameters on 8 x 40 GiB" in out
     assert " 1. FSDP (grad-op sharding) fits with" in out
     assert "run it: %%distributed fsdp --no-reshard-after-forward --precision bf16 --activation-checkpointing" in out
 
@@ -150,14 +150,63 @@ def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
     ("--hardware a100", "--hardware 'a100' matches several presets"),
     ("--model llama", "--model 'llama' matches several presets"),
     ("--model 0", "the parameter count must be >= 1"),
+    ("--model nosuch.json", "--model 'nosuch.json': no such file"),
+    ("--model _a_list", "--model _a_list: a list, not a torch module, a Hugging Face config"),
     ("--precision fp8", "invalid choice: 'fp8'"),
 ])
 def test_dist_plan_refusals(ip, line, fragment):
     from IPython.core.error import UsageError
 
+    ip.user_ns["_a_list"] = [1, 2]
     with pytest.raises(UsageError) as info:
         ip.run_line_magic("dist_plan", f"--text {line}")
     assert fragment in str(info.value)
+
+
+@pytest.mark.parametrize("preset,config", [
+    ("Llama-3-8B", dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False)),
+    ("Mistral-7B", dict(model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                        num_attention_heads=32, num_key_value_heads=8, vocab_size=32000)),
+    ("Qwen2.5-7B", dict(model_type="qwen2", hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064, tie_word_embeddings=False)),
+])
+def test_presets_count_what_the_models_hold(preset, config):
+    """The exact presets against a second count: transformers builds each model from its published
+    config on the meta device, and nbtool counts its parameters."""
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    counted = ModelShape.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    assert MODEL_PRESETS[preset].params == counted.params
+    assert counted.layers == config["num_hidden_layers"] and counted.hidden == config["hidden_size"]
+
+
+def test_dist_plan_takes_the_users_model(ip, tmp_path, capsys):
+    """--model as a kernel variable (a module, a Hugging Face config), a config JSON file, or a count."""
+    import json
+
+    from transformers import GPT2Config, LlamaConfig
+
+    ip.user_ns["_cfg"] = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    ip.run_cell("from nbtool.rank.example_models import TinyTransformer\n_tiny = TinyTransformer()").raise_error()
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps({"model_type": "gpt2", **GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128,
+                                                                   bos_token_id=0, eos_token_id=0).to_diff_dict()}))
+    tiny = sum(p.numel() for p in ip.user_ns["_tiny"].parameters())
+    # Llama: 2 layers of (2*64*64 + 2*64*32 attention + 3*64*128 MLP + 2*64 norms), embeddings and head, final norm
+    llama = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 128 + 2 * 64) + 2 * 128 * 64 + 64
+    for arg, count in (("_cfg", llama), ("_tiny", tiny), (str(path), None), ("722k", 722_000)):
+        capsys.readouterr()
+        ip.run_line_magic("dist_plan", f"--text --model {arg} --hardware a100-40gb")
+        out = capsys.readouterr().out
+        first = out.splitlines()[0]
+        if count is not None:
+            assert f"{count / 1e3:.3g}K parameters" in first, first
+        else:
+            assert first.startswith("gpt2.json (gpt2): ")
+        assert "0.0 GB" not in out and " MB " in out  # a small model's figures in MB or KB
 
 
 def test_dist_plan_on_this_cluster_uses_measured_links(ip, cluster, capsys):

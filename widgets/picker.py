@@ -32,8 +32,13 @@ COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a")
 
 
 class Picker:
-    def __init__(self, hardware: Hardware | None = None, model: str = "GPT-2 small (124M)", shell=None):
+    def __init__(self, hardware: Hardware | None = None, model: str = "GPT-2 small (124M)", shell=None,
+                 shape: ModelShape | None = None):
         self.shell = shell
+        # the user's own model (%dist_plan --model VAR), counted, is offered first under its name
+        self.model_presets = {shape.name: shape, **MODEL_PRESETS} if shape is not None else dict(MODEL_PRESETS)
+        if shape is not None:
+            model = shape.name
         self.hw_presets = dict(HARDWARE_PRESETS)
         if hardware is not None:
             self.hw_presets = {hardware.name: hardware, **self.hw_presets}
@@ -41,7 +46,7 @@ class Picker:
         style = {"description_width": "95px"}
         def lay():  # one Layout per widget: hiding one input must not hide the others
             return W.Layout(width="250px")
-        self.model = W.Dropdown(options=list(MODEL_PRESETS) + ["custom"], value=model, description="model",
+        self.model = W.Dropdown(options=list(self.model_presets) + ["custom"], value=model, description="model",
                                 style=style, layout=lay())
         self.custom_params = W.FloatText(value=1.0, description="params (B)", style=style, layout=lay())
         self.hardware = W.Dropdown(options=list(self.hw_presets), value=first_hw.name, description="hardware",
@@ -118,7 +123,7 @@ class Picker:
     def model_shape(self) -> ModelShape:
         if self.model.value == "custom":
             return ModelShape(int(self.custom_params.value * 1e9), name=f"{self.custom_params.value:g}B params")
-        return MODEL_PRESETS[self.model.value]
+        return self.model_presets[self.model.value]
 
     def hardware_now(self) -> Hardware:
         from dataclasses import replace

@@ -20,26 +20,85 @@ class PlanRequest:
     text: bool = False  # the ranking as text instead of the picker
 
 
-def request(args) -> PlanRequest:
-    """The typed request of a parsed %dist_plan line: presets by forgiving names, counts like 7e9."""
-    from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, ModelShape, Training
+def request(args, user_ns: dict | None = None) -> PlanRequest:
+    """The typed request of a parsed %dist_plan line: presets by forgiving names, counts like 7e9 or 1.3b,
+    a kernel variable holding a module or a Hugging Face config, or a config JSON file."""
+    from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Training
 
     hw = HARDWARE_PRESETS[_preset(args.hardware, HARDWARE_PRESETS, "--hardware")] if args.hardware else None
     model_name, shape = "GPT-2 small (124M)", None
     if args.model is not None:
-        if not args.model.replace(".", "").replace("e", "").replace("E", "").isdigit():
-            model_name = _preset(args.model, MODEL_PRESETS, "--model")
-        else:
-            try:
-                shape = ModelShape(int(float(args.model)), name=f"{float(args.model):.3g} params")
-            except ValueError:
-                raise UsageError(f"--model {args.model!r}: give a preset ({', '.join(MODEL_PRESETS)}) "
-                                 "or a parameter count like 7e9") from None
-            if shape.params < 1:
-                raise UsageError(f"--model {args.model!r}: the parameter count must be >= 1")
+        shape = model_shape(args.model, user_ns or {}, args.seq)
+        if shape is None:
+            model_name = _preset(args.model, MODEL_PRESETS, "--model", hint=MODEL_FORMS)
     training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
                         checkpointing=args.checkpointing)
     return PlanRequest(model_name, shape, hw, args.devices, training, args.text)
+
+
+MODEL_FORMS = ("or a parameter count (7e9, 1.3b, 722k), a variable holding a model or a Hugging Face config, "
+               "or a config .json path")
+_SUFFIX = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
+
+
+def model_shape(text: str, user_ns: dict, seq: int | None = None):
+    """The ModelShape ``--model TEXT`` names, or None for a preset name (looked up by the caller)."""
+    import os
+
+    from ..plan.inputs import ModelShape
+
+    t = text.strip()
+    number = t[:-1] if t[-1:].lower() in _SUFFIX else t
+    try:
+        count = float(number) * _SUFFIX.get(t[-1:].lower(), 1)
+    except ValueError:
+        count = None
+    if count is not None:
+        if count < 1:
+            raise UsageError(f"--model {text!r}: the parameter count must be >= 1")
+        return ModelShape(int(count), name=f"{_count_text(int(count))} params")
+    if t.isidentifier() and t in user_ns:
+        return _shape_of(user_ns[t], t, seq)
+    if t.endswith(".json"):
+        if not os.path.isfile(t):
+            raise UsageError(f"--model {text!r}: no such file")
+        import json
+
+        with open(t) as f:
+            data = json.load(f)
+        return _shape_of(data, os.path.basename(t), seq)
+    return None
+
+
+def _shape_of(obj, label: str, seq):
+    from ..plan.inputs import ModelShape
+
+    try:
+        from torch import nn
+    except ImportError:  # pragma: no cover - torch is a dependency
+        nn = None
+    if nn is not None and isinstance(obj, nn.Module):
+        return ModelShape.from_module(obj, seq=seq, name=f"{label} ({type(obj).__name__})")
+    if isinstance(obj, dict) and "model_type" in obj:
+        from transformers import AutoConfig
+
+        fields = {k: v for k, v in obj.items() if k != "model_type"}
+        obj = AutoConfig.for_model(obj["model_type"], **fields)
+    if hasattr(obj, "model_type") and hasattr(obj, "to_dict"):
+        try:
+            return ModelShape.from_config(obj, seq=seq, name=f"{label} ({obj.model_type})")
+        except Exception as e:  # not a causal LM transformers can build
+            raise UsageError(f"--model {label}: transformers cannot build a causal LM from this config "
+                             f"({type(e).__name__}: {e})") from None
+    raise UsageError(f"--model {label}: a {type(obj).__name__}, not a torch module, a Hugging Face config "
+                     "or a config dict with model_type")
+
+
+def _count_text(n: int) -> str:
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
 
 
 def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
@@ -60,9 +119,11 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     if in_kernel and not req.text:
         from ..widgets.picker import Picker
 
-        picker = Picker(hardware=hw, model=req.model_name if shape is None else "custom", shell=shell)
+        counted = shape is not None and shape.layers is not None  # a module or config: offered by its name
+        picker = Picker(hardware=hw, model=req.model_name if shape is None else "custom", shell=shell,
+                        shape=shape if counted else None)
         with picker.quiet():  # one chart update after all inputs are set
-            if shape is not None:
+            if shape is not None and not counted:
                 picker.custom_params.value = shape.params / 1e9
             if req.devices:
                 picker.devices.value = req.devices
@@ -78,7 +139,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
         hw = hw.with_devices(req.devices)
     shape = shape or MODEL_PRESETS[req.model_name]
     rec = recommend(shape, training, hw)
-    print(f"{shape.name or shape.params}: {shape.params / 1e9:.2f}B parameters on {hw.devices} x "
+    print(f"{shape.name or shape.params}: {_count_text(shape.params)} parameters on {hw.devices} x "
           f"{hw.device_memory / 2**30:.0f} GiB ({hw.name}{', measured links' if hw.measured else ''}); "
           f"{training.precision}, micro-batch {training.micro_batch}, checkpointing {training.checkpointing}")
     for i, line in enumerate(rec.lines(), 1):
@@ -89,7 +150,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     return None
 
 
-def _preset(text: str, table: dict, option: str) -> str:
+def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     """A preset by a forgiving name: case, spaces and punctuation ignored; a unique fragment is enough."""
     norm = lambda x: "".join(ch for ch in x.lower() if ch.isalnum())
     key = norm(text)
@@ -97,7 +158,7 @@ def _preset(text: str, table: dict, option: str) -> str:
     hits = exact or [name for name in table if key and key in norm(name)]
     if len(hits) != 1:
         what = "matches several presets" if hits else "is not a preset"
-        raise UsageError(f"{option} {text!r} {what}; presets: {', '.join(table)}")
+        raise UsageError(f"{option} {text!r} {what}; presets: {', '.join(table)}{' ' + hint if hint else ''}")
     return hits[0]
 
 

@@ -51,7 +51,7 @@ from ..spec import bubble_fraction
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
-from .inputs import Hardware, ModelShape, Training
+from .inputs import Hardware, ModelShape, Training, format_gb
 from .model_states import expected_ledger
 
 MFU = 0.4
@@ -287,7 +287,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             if layout.offload == "both":
                 moved += 2 * 2 * psi / n  # parameters fetched from the host for forward and backward
             e.offload_s = moved / hw.host_link_bw
-            e.notes.append(f"offload moves {moved / 1e9:.1f} GB per device per step over the host link")
+            e.notes.append(f"offload moves {format_gb(moved)} per device per step over the host link")
     e.comm_bus_bytes = bus
     e.comm_s = _collective_s(hw, n, collectives, bus) if n > 1 else 0.0
     e.exposed_comm_s = max(0.0, e.comm_s - 2 / 3 * e.compute_s)

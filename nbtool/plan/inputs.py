@@ -13,6 +13,14 @@ GB = 1e9
 GiB = 2**30
 
 
+def format_gb(x: float) -> str:
+    """The planner's bytes: decimal, one decimal, 13.2 GB; below 0.1 GB in MB, below 0.1 MB in KB
+    (a small model's figures are not 0.0 GB)."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("KB", 1e3)):
+        if abs(x) >= 0.1 * size or unit == "KB":
+            return f"{x / size:.1f} {unit}"
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A model as the planner sees it.
@@ -42,6 +50,38 @@ class ModelShape:
                    name=name or f"{layers}L-{hidden}h transformer")
 
     @classmethod
+    def decoder(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int | None = None,
+                intermediate: int | None = None, tied: bool = False, qkv_bias: bool = False,
+                name: str = "") -> "ModelShape":
+        """A Llama-style decoder, counted exactly: grouped-query attention (``kv_heads`` key/value heads
+        of hidden/heads each), a gated MLP (gate, up, down: 3 h I), RMSNorms (h each, two per layer and
+        a final one), rotary positions (no parameters), an untied head unless ``tied``."""
+        kv = (kv_heads or heads) * (hidden // heads)
+        inter = intermediate or 4 * hidden
+        attention = 2 * hidden * hidden + 2 * hidden * kv + ((hidden + 2 * kv) if qkv_bias else 0)
+        per_layer = attention + 3 * hidden * inter + 2 * hidden
+        params = layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
+        return cls(params, layers, hidden, heads, vocab, seq, largest_layer=max(vocab * hidden, hidden * inter),
+                   name=name or f"{layers}L-{hidden}h decoder")
+
+    @classmethod
+    def from_config(cls, config, seq: int | None = None, name: str = "") -> "ModelShape":
+        """Count a Hugging Face config's model exactly: built on the meta device (nothing allocated)."""
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        shape = cls.from_module(model, seq=seq or getattr(config, "max_position_embeddings", None)
+                                or getattr(config, "n_positions", None),
+                                name=name or f"{type(model).__name__} ({config.model_type})")
+        get = lambda *keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), None)
+        return replace(shape, layers=get("num_hidden_layers", "n_layer") or shape.layers,
+                       hidden=get("hidden_size", "n_embd") or shape.hidden,
+                       heads=get("num_attention_heads", "n_head") or shape.heads,
+                       vocab=get("vocab_size") or shape.vocab)
+
+    @classmethod
     def from_module(cls, module, seq: int | None = None, name: str = "") -> "ModelShape":
         """Count a torch module (meta-device modules work: nothing is allocated).
 
@@ -61,9 +101,17 @@ class ModelShape:
                    numels=numels, name=name or type(module).__name__)
 
 
-# Well-known shapes (GPT-style approximation: gated MLPs and grouped-query
-# attention are not modelled, so Llama figures are approximate).
+# Well-known shapes. The Llama-3, Mistral and Qwen2.5 entries are built from
+# their published configs and count exactly what those models hold
+# (8,030,261,248 / 7,241,732,096 / 7,615,616,512); the others use the GPT
+# formula (no gated MLP or grouped-query attention), approximate for Llama-2.
 MODEL_PRESETS = {
+    "Llama-3-8B": ModelShape.decoder(32, 4096, 32, 128256, 8192, kv_heads=8, intermediate=14336,
+                                     name="Llama-3-8B"),
+    "Mistral-7B": ModelShape.decoder(32, 4096, 32, 32000, 32768, kv_heads=8, intermediate=14336,
+                                     name="Mistral-7B"),
+    "Qwen2.5-7B": ModelShape.decoder(28, 3584, 28, 152064, 32768, kv_heads=4, intermediate=18944, qkv_bias=True,
+                                     name="Qwen2.5-7B"),
     "GPT-2 small (124M)": ModelShape.transformer(12, 768, 12, 50257, 1024, "GPT-2 small"),
     "GPT-2 XL (1.5B)": ModelShape.transformer(48, 1600, 25, 50257, 1024, "GPT-2 XL"),
     "7B (Llama-2-7B shape)": ModelShape.transformer(32, 4096, 32, 32000, 4096, "7B"),

@@ -5,13 +5,10 @@ from dataclasses import dataclass, field
 
 from .estimate import RESERVE, Estimate, estimate
 from .layouts import DP_LAYOUTS, PP, PREFERENCE, TP, TP_PP, Layout
-from .inputs import GB, Hardware, ModelShape, Training
+from .inputs import Hardware, ModelShape, Training
+from .inputs import format_gb as _gb
 
 TIE = 0.10  # step-time estimates within 10% of the best count as a tie: the simpler layout wins
-
-
-def _gb(x: float) -> str:
-    return f"{x / GB:.1f} GB"
 
 
 def candidate_layouts(m: ModelShape, hw: Hardware) -> list[tuple[Layout, int, int]]:

@@ -3,10 +3,11 @@
 The split follows torchtitan's convention. The repeated blocks (the model's
 ModuleList) are divided evenly between the stages. Stage 0 also keeps what
 comes before the blocks (embeddings), and the last stage keeps what comes
-after them (final norm, head). Every other top-level child is set to None, so
-the model's forward has to skip parts that are None (``TinyTransformer`` does).
-Kept blocks keep their global index, so parameter names match the whole
-model's.
+after them (final norm, head); the other parts are set to None. Where the
+blocks sit and how a stage runs (the model's own forward skipping None
+parts, or nbtool's stage of a Hugging Face / nanoGPT-style decoder, checked
+against the model's forward first) is nbtool.rank.model_adapters'. Kept
+blocks keep their global index, so parameter names match the whole model's.
 
 Schedules come from ``torch.distributed.pipelining`` (GPipe: all forwards,
 then all backwards; 1F1B: one forward one backward in the steady state,
@@ -23,44 +24,61 @@ import time
 import torch
 from torch import nn
 
+from . import model_adapters
 from .strategies.base import StrategyError
-from .tp_plan import block_list
 
 
-class _KeptBlocks(nn.ModuleList):
-    """A ModuleList holding some of the blocks under their global indices ("2", "3" ...).
+def split_stage(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, list[str], list]:
+    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``stages``.
 
-    Iteration yields the kept blocks in order, and their parameter names
-    (``blocks.2.attn...``) stay those of the whole model.
+    Returns the module the schedule runs for this stage (the model itself for
+    the ``toplevel`` shape, else a StageModule around it), the parts kept,
+    and the weights tied across stages (see ``tied_across_stages``).
     """
-
-    def __init__(self, kept: dict):
-        super().__init__()
-        for key, block in kept.items():
-            self._modules[key] = block
-
-
-def split_stage(model: nn.Module, stage: int, stages: int) -> list[str]:
-    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``stages``; return what it kept."""
-    prefix, blocks = block_list(model)
+    shape = model_adapters.decoder(model)
+    blocks = shape.blocks
+    prefix = shape.qualified(shape.trunk, shape.blocks_attr)
     n = len(blocks)
     if n % stages:
         raise StrategyError(f"{n} blocks in {prefix} do not divide into pp({stages}) stages; "
                             f"use a pp that divides {n}, or a model with a multiple of {stages} blocks")
-    if "." in prefix:
-        raise StrategyError(f"the repeated blocks ({prefix}) must be a top-level child of the model "
-                            "for nbtool's pipeline split")
+    model_adapters.check_stages(model, shape)  # before anything is cut
     per = n // stages
     lo, hi = stage * per, (stage + 1) * per
-    children = list(model.named_children())
-    at = [name for name, _ in children].index(prefix)
-    for i, (name, child) in enumerate(children):
-        if i == at:
-            setattr(model, name, _KeptBlocks({str(j): blocks[j] for j in range(lo, hi)}))
-        elif (i < at and stage != 0) or (i > at and stage != stages - 1):
-            setattr(model, name, None)
-    kept = [f"{name}.{lo}-{hi - 1}" if name == prefix else name for name, _ in model.named_children()]
-    return kept
+    first, last = stage == 0, stage == stages - 1
+    tied = tied_across_stages(model, shape, stages, per)
+    setattr(shape.trunk, shape.blocks_attr, model_adapters.KeptBlocks({str(j): blocks[j] for j in range(lo, hi)}))
+    kept = [shape.qualified(o, a) for o, a in shape.before] if first else []
+    kept.append(f"{prefix}.{lo}-{hi - 1}")
+    kept += [shape.qualified(o, a) for o, a in shape.after] if last else []
+    for owner, attr in (() if first else shape.before) + (() if last else shape.after):
+        setattr(owner, attr, None)
+    run = model if shape.kind == "toplevel" else model_adapters.StageModule(model, shape, first, last)
+    return run, kept, tied
+
+
+def tied_across_stages(model: nn.Module, shape, stages: int, per: int) -> list:
+    """[(names, empty tensor like it)] for each parameter whose names fall on different stages
+    (GPT-2's lm_head.weight is transformer.wte.weight): each stage keeps a copy, and their gradients
+    are summed over the pipeline before each step, as Megatron does for tied embeddings."""
+    prefix = shape.qualified(shape.trunk, shape.blocks_attr)
+    edges = [(shape.qualified(o, a), 0) for o, a in shape.before] + \
+            [(shape.qualified(o, a), stages - 1) for o, a in shape.after]
+
+    def stage_of(name):
+        if name.startswith(prefix + "."):
+            return int(name[len(prefix) + 1:].split(".")[0]) // per
+        return next((s for part, s in edges if name.startswith(part + ".")), None)
+
+    names: dict = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (p, []))[1].append(name)
+    out = []
+    for p, aliases in names.values():
+        held = {stage_of(n) for n in aliases} - {None}
+        if len(held) > 1:
+            out.append((aliases, torch.empty_like(p, device="meta")))
+    return out
 
 
 class StageClock:

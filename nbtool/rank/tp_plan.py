@@ -7,6 +7,13 @@ the common transformer block shape, Megatron's layout:
 - attention: q/k/v projections column-parallel (each rank owns heads/tp
   heads), the output projection row-parallel (its all-reduce, or
   reduce-scatter with --sp, ends the region);
+- a fused q/k/v projection (nanoGPT's and GPT-2's ``c_attn``) is split so
+  each rank gets its heads' q, k and v (nbtool.rank.tp_styles), but only after
+  ``probe_fused`` ran a sharded copy of the part and got the whole part's
+  output; a forward that reshapes by the full width (nanoGPT's ``C`` from
+  ``x.size()``) fails that probe and the part stays replicated;
+- transformers' ``Conv1D`` (GPT-2) is sharded like nn.Linear, on its
+  transposed weight;
 - MLP: up (and gate) column-parallel, down row-parallel;
 - each attention and MLP module gets its input as one replicated DTensor
   (``BlockInput``: its first positional argument, or a keyword argument such
@@ -35,76 +42,180 @@ import fnmatch
 import torch
 from torch import nn
 
-from .strategies.base import StrategyError, repeated_block_class
+from . import tp_styles
+from .model_adapters import block_list, is_norm
+from .strategies.base import StrategyError
 
 ATTENTION_IN = ("q_proj", "k_proj", "v_proj", "wq", "wk", "wv", "query", "key", "value")
 ATTENTION_OUT = ("o_proj", "wo", "out_proj", "c_proj", "dense", "proj")
 MLP_IN = ("up", "up_proj", "gate_proj", "fc1", "w1", "w3", "c_fc", "fc_in", "dense_h_to_4h")
 MLP_OUT = ("down", "down_proj", "fc2", "w2", "c_proj", "fc_out", "dense_4h_to_h")
+ATTENTION_FUSED = ("c_attn", "qkv_proj", "qkv", "query_key_value", "Wqkv", "W_pack")
+WIDTH_ATTRS = ("split_size", "embed_dim", "n_embd")
 HEAD_ATTRS = ("heads", "num_heads", "n_heads", "n_head", "num_attention_heads",
               "num_key_value_heads", "n_kv_heads")
+WHAT_IS_SPLIT = (
+    "nbtool splits projections named like q_proj/k_proj/v_proj/o_proj and gate_proj/up_proj/down_proj "
+    "(nn.Linear or transformers' Conv1D), and a fused c_attn/qkv_proj/query_key_value when a sharded copy "
+    "of its part computes what the whole part does; a forward that reshapes by the full width (such as "
+    "nanoGPT's C from x.size()) does not, so that part stays whole.")
 
 
-def block_list(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    """The qualified name and the ModuleList of the model's repeated blocks."""
-    cls = repeated_block_class(model)
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) and all(type(c).__name__ == cls for c in m):
-            return name, m
-    raise StrategyError("the model has no nn.ModuleList of repeated blocks; tensor and pipeline "
-                        "parallelism need one (e.g. self.blocks = nn.ModuleList(Block(...) for ...)), "
-                        "or pass plan={...} to strategy.prepare")
+def default_plan(model: nn.Module, sp: bool, mesh=None) -> dict:
+    """Megatron's layout for every block of ``model`` (see the module docstring).
 
-
-def default_plan(model: nn.Module, sp: bool) -> dict:
-    """Megatron's layout for every block of ``model`` (see the module docstring)."""
+    A fused q/k/v projection is split only as ``probe_fused`` finds its part
+    computes the same sharded as whole (that needs the tensor-parallel
+    ``mesh``); otherwise the part stays replicated and ``coverage`` says so.
+    """
     from torch.distributed.tensor import Replicate, Shard
-    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
-                                                   PrepareModuleInputOutput, PrepareModuleOutput,
-                                                   RowwiseParallel, SequenceParallel)
+    from torch.distributed.tensor.parallel import SequenceParallel
 
-    BlockInput = block_input_style()
+    BlockInput = tp_styles.block_input_style()
 
     prefix, blocks = block_list(model)
     region = Shard(1) if sp else Replicate()  # layout between the tensor-parallel regions
     plan = {}
+    probed: dict = {}  # (part class, name) -> style maker for its fused projection, or None
     for key, block in blocks.named_children():
         base = f"{prefix}.{key}"
-        found = []
+        parts = 0  # children with projections nbtool knows (split or, if a fused probe failed, not)
         for sub_name, sub in block.named_children():
-            linears = {n for n, c in sub.named_children() if isinstance(c, nn.Linear)}
-            ins = [n for n in (ATTENTION_IN if linears & set(ATTENTION_IN) else MLP_IN) if n in linears]
-            outs = [n for n in (ATTENTION_OUT if linears & set(ATTENTION_IN) else MLP_OUT) if n in linears]
             if is_norm(sub):
                 if sp:
                     plan[f"{base}.{sub_name}"] = SequenceParallel()
                 continue
+            ins, outs, fused = part_projections(sub)
             if not ins or len(outs) != 1:
                 continue
+            parts += 1
+            styles = [tp_styles.colwise() for _ in ins]
+            if fused:
+                cache = (type(sub).__name__, sub_name)
+                if cache not in probed:
+                    probed[cache] = probe_fused(sub, ins[0], outs[0], mesh) if mesh is not None else None
+                if probed[cache] is None:
+                    continue  # left replicated: coverage() reports it
+                styles = [probed[cache]()]
             plan[f"{base}.{sub_name}"] = BlockInput(region)
-            for n in ins:
-                plan[f"{base}.{sub_name}.{n}"] = ColwiseParallel()
-            plan[f"{base}.{sub_name}.{outs[0]}"] = RowwiseParallel(output_layouts=region)
-            found.append(sub_name)
-        if not found:
+            for n, style in zip(ins, styles):
+                plan[f"{base}.{sub_name}.{n}"] = style
+            plan[f"{base}.{sub_name}.{outs[0]}"] = tp_styles.rowwise(output_layouts=region)
+        if not parts:
             raise StrategyError(
                 f"no default tensor-parallel plan for {base} ({type(block).__name__}): nbtool looks for "
                 f"children with column-parallel linears ({', '.join(ATTENTION_IN[:3])} ... or "
-                f"{', '.join(MLP_IN[:3])} ...) and one row-parallel linear "
-                f"({', '.join(ATTENTION_OUT[:3])} ... or {', '.join(MLP_OUT[:3])} ...); "
+                f"{', '.join(MLP_IN[:3])} ..., or a fused {', '.join(ATTENTION_FUSED[:3])} ...) and one "
+                f"row-parallel linear ({', '.join(ATTENTION_OUT[:3])} ... or {', '.join(MLP_OUT[:3])} ...); "
                 "pass plan={'blocks.*.attn.q_proj': ColwiseParallel(), ...} to strategy.prepare"
             )
-    if sp and len(blocks):
+    if sp and len(blocks):  # split the first block's input along the sequence, gather the last one's output
         keys = [k for k, _ in blocks.named_children()]
-        split = dict(input_layouts=(Replicate(),), desired_input_layouts=(Shard(1),))
-        gather = dict(output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),), use_local_output=True)
         first, last = f"{prefix}.{keys[0]}", f"{prefix}.{keys[-1]}"
-        if first == last:  # one block: split its input and gather its output
-            plan[first] = PrepareModuleInputOutput(**split, use_local_input=True, **gather)
+        split = BlockInput(Replicate(), Shard(1), local=True)
+        if first == last:  # one block: both on it
+            plan[first] = _both(split, tp_styles.block_output_style()())
         else:
-            plan[first] = PrepareModuleInput(**split, use_local_output=True)
-            plan[last] = PrepareModuleOutput(**gather)
+            plan[first] = split
+            plan[last] = tp_styles.block_output_style()()
     return plan
+
+
+def _both(*styles):
+    """One ParallelStyle applying several to the same module (the only block under --sp)."""
+    from torch.distributed.tensor.parallel.style import ParallelStyle
+
+    class Both(ParallelStyle):
+        def _apply(self, module, mesh):
+            for style in styles:
+                style._apply(module, mesh)
+            return module
+
+    return Both()
+
+
+def part_projections(part: nn.Module) -> tuple[list[str], list[str], bool]:
+    """(column-parallel projections, row-parallel ones, whether the first is a fused q/k/v) of a block part."""
+    linears = {n for n, c in part.named_children() if tp_styles.linear_like(c)}
+    separate = [n for n in ATTENTION_IN if n in linears]
+    fused = [n for n in ATTENTION_FUSED if n in linears] if not separate else []
+    if separate or fused:
+        return separate or fused[:1], [n for n in ATTENTION_OUT if n in linears], bool(fused)
+    return [n for n in MLP_IN if n in linears], [n for n in MLP_OUT if n in linears], False
+
+
+def _first_tensor(out):
+    from torch.distributed.tensor import DTensor
+
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
+def probe_fused(part: nn.Module, qkv_name: str, out_name: str, mesh):
+    """A maker of the style that splits ``part``'s fused projection, or None when no split computes
+    what the whole part does on a probe input.
+
+    Tried in order: [q | k | v] segments (nanoGPT, GPT-2; with grouped-query
+    heads from the part's head counts), then heads interleaved (GPT-NeoX's
+    query_key_value: a plain column split keeps whole heads). Each try shards a
+    copy of the part (with head counts and widths divided by tp) and compares
+    its output with the whole part's; every tp rank runs the same tries.
+    """
+    import copy
+
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    tp = mesh.size()
+    qkv = getattr(part, qkv_name)
+    width, n = tp_styles.in_features(qkv), tp_styles.out_features(qkv)
+    heads = next((getattr(part, a) for a in ("num_heads", "n_head", "num_attention_heads", "n_heads")
+                  if isinstance(getattr(part, a, None), int)), None)
+    kv = getattr(part, "num_key_value_heads", None)
+    head_dim = getattr(part, "head_dim", None) or (width // heads if heads else None)
+    segments = ((heads * head_dim, kv * head_dim, kv * head_dim) if isinstance(kv, int) and heads and head_dim
+                else (n // 3,) * 3)
+    makers = []
+    if sum(segments) == n and all(s % tp == 0 for s in segments):
+        makers.append(lambda: tp_styles.fused_colwise(qkv, segments, tp))
+    if n % tp == 0:
+        makers.append(tp_styles.colwise)
+    weight = qkv.weight
+    x = torch.randn(2, 4, width, generator=torch.Generator().manual_seed(0), dtype=weight.dtype).to(weight.device)
+    was_training = part.training
+    try:
+        with torch.no_grad():
+            ref = _first_tensor(part.eval()(x))
+    except Exception:
+        return None  # it cannot run alone on (batch, seq, width): not split
+    finally:
+        part.train(was_training)
+    for make in makers:
+        trial = copy.deepcopy(part).eval()
+        localize_part(trial, tp, width)
+        parallelize_module(trial, mesh, tp_styles.block_input_style()(Replicate()))
+        parallelize_module(trial, mesh, {qkv_name: make(), out_name: tp_styles.rowwise()})
+        try:
+            with torch.no_grad():
+                ok = torch.allclose(_first_tensor(trial(x)), ref, atol=1e-5, rtol=1e-4)
+        except Exception:
+            ok = False
+        if ok:
+            return make
+    return None
+
+
+def localize_part(part: nn.Module, tp: int, width: int | None = None) -> list[str]:
+    """Divide a sharded attention part's head counts (and, for a fused projection, the widths it
+    splits by, such as GPT-2's split_size or nanoGPT's n_embd) by tp; what changed."""
+    changed = []
+    attrs = HEAD_ATTRS + (WIDTH_ATTRS if width else ())
+    for attr in attrs:
+        value = getattr(part, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and (attr in HEAD_ATTRS or value == width):
+            setattr(part, attr, value // tp)
+            changed.append(f"{attr} {value} -> {value // tp} per rank")
+    return changed
 
 
 def matching(plan: dict, model: nn.Module) -> dict:
@@ -159,31 +270,47 @@ def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
 
 
 def localize_heads(plan: dict, model: nn.Module, tp: int) -> list[str]:
-    """Divide head counts of the column-sharded attention modules by tp (each rank runs heads/tp)."""
+    """Divide head counts of the column-sharded attention modules by tp (each rank runs heads/tp),
+    and the widths a fused q/k/v projection is split by."""
     attention = parallel_attention(plan, matching(plan, model))
+    modules = dict(model.named_modules())
     changed = []
     for name, m in model.named_modules():  # in model order, for describe()
         if name not in attention:
             continue
-        for attr in HEAD_ATTRS:
-            heads = getattr(m, attr, None)
-            if isinstance(heads, int):
-                setattr(m, attr, heads // tp)
-                changed.append(f"{name}.{attr} {heads} -> {heads // tp} per rank")
+        fused = next((modules[f"{name}.{f}"] for f in ATTENTION_FUSED if f"{name}.{f}" in modules), None)
+        width = tp_styles.in_features(fused) if fused is not None and attention[name] else None
+        changed += [f"{name}.{c}" for c in localize_part(m, tp, width)]
     return changed
 
 
-def parallel_attention(plan: dict, matches: dict) -> set[str]:
-    """Modules whose q/k/v projections the plan makes column-parallel (their heads get split)."""
+def parallel_attention(plan: dict, matches: dict) -> dict[str, bool]:
+    """{module: whether its projection is fused} for modules whose q/k/v projections the plan makes
+    column-parallel (their heads get split)."""
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    out = set()
+    out = {}
     for (pattern, names), style in zip(matches.items(), plan.values()):
         if isinstance(style, ColwiseParallel):
             for n in names:
                 parent, _, child = n.rpartition(".")
-                if child in ATTENTION_IN:
-                    out.add(parent)
+                if child in ATTENTION_IN or child in ATTENTION_FUSED:
+                    out[parent] = child in ATTENTION_FUSED
+    return out
+
+
+def permuted_params(plan: dict, model: nn.Module) -> dict:
+    """{parameter name: (QKVPermutation, dim)} for the parameters a fused_colwise style sharded."""
+    modules = dict(model.named_modules())
+    out = {}
+    for (pattern, names), style in zip(matching(plan, model).items(), plan.values()):
+        permutation = getattr(style, "permutation", None)
+        if permutation is None:
+            continue
+        for name in names:
+            out[f"{name}.weight"] = (permutation, permutation.dim)
+            if getattr(modules[name], "bias", None) is not None:
+                out[f"{name}.bias"] = (permutation, 0)
     return out
 
 
@@ -191,27 +318,12 @@ def _split_size(m: nn.Module, style) -> int | None:
     from torch.distributed.tensor.parallel import ColwiseParallel
 
     colwise = isinstance(style, ColwiseParallel)
-    if isinstance(m, nn.Linear):
-        return m.out_features if colwise else m.in_features
+    if tp_styles.linear_like(m):
+        return tp_styles.out_features(m) if colwise else tp_styles.in_features(m)
     if isinstance(m, nn.Embedding):
         return m.embedding_dim if colwise else m.num_embeddings
     return None
 
-
-
-def is_norm(m: nn.Module) -> bool:
-    """A module that normalises over the last dimension: a 1-D weight of size ``n``, output unchanged
-    when the input is scaled (LayerNorm and RMSNorm both are); by name ``*Norm*`` when it cannot run."""
-    w = getattr(m, "weight", None)
-    if not isinstance(w, torch.Tensor) or w.dim() != 1 or isinstance(m, (nn.Linear, nn.Embedding)):
-        return False
-    try:
-        x = torch.randn(2, 3, w.shape[0], generator=torch.Generator().manual_seed(0), dtype=w.dtype)
-        with torch.no_grad():
-            y1, y2 = m(x), m(3.0 * x)
-        return isinstance(y1, torch.Tensor) and y1.shape == x.shape and torch.allclose(y1, y2, atol=1e-4, rtol=1e-3)
-    except Exception:
-        return "Norm" in type(m).__name__ or "norm" in type(m).__name__
 
 
 def coverage(plan: dict, model: nn.Module, sp: bool) -> tuple[list[str], list[str]]:
@@ -231,48 +343,3 @@ def coverage(plan: dict, model: nn.Module, sp: bool) -> tuple[list[str], list[st
             elif sp and is_norm(m) and not isinstance(styled.get(name), SequenceParallel):
                 norms.append(f"{name} ({type(m).__name__})")
     return replicated, norms
-
-
-def block_input_style():
-    """A ParallelStyle putting a block part's input into the tensor-parallel region as one DTensor.
-
-    Like PrepareModuleInput, but it finds the input whether the part is called
-    positionally (``self.attn(x)``) or by keyword (Hugging Face's
-    ``self.self_attn(hidden_states=x, ...)``, where PrepareModuleInput's
-    ``input_layouts`` fails with "module inputs and input_layouts should have
-    same length!").
-    """
-    from torch.distributed.tensor import DTensor, Replicate
-    from torch.distributed.tensor.parallel.style import ParallelStyle
-
-    class BlockInput(ParallelStyle):
-        def __init__(self, layout):
-            super().__init__()
-            self.layout = layout
-            self.input_layouts, self.desired_input_layouts = (layout,), (Replicate(),)  # for describe()
-
-        def _apply(self, module, mesh):
-            layout = self.layout
-
-            def convert(x):
-                if not isinstance(x, torch.Tensor):
-                    return x
-                if not isinstance(x, DTensor):  # a local tensor in the region's layout
-                    x = DTensor.from_local(x, mesh, (layout,), run_check=False)
-                # once here, so q, k and v (or gate and up) share one gather instead of one each
-                return x if tuple(x.placements) == (Replicate(),) else x.redistribute(placements=(Replicate(),))
-
-            def hook(_, args, kwargs):
-                if args:
-                    return (convert(args[0]), *args[1:]), kwargs
-                key = next((k for k in ("hidden_states", "x", "input", "hidden") if k in kwargs), None)
-                if key is None:
-                    key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
-                if key is not None:
-                    kwargs = {**kwargs, key: convert(kwargs[key])}
-                return args, kwargs
-
-            module.register_forward_pre_hook(hook, with_kwargs=True)
-            return module
-
-    return BlockInput

@@ -20,7 +20,6 @@ from __future__ import annotations
 import random
 import os
 import time
-from collections import Counter
 
 import torch
 import torch.distributed as dist
@@ -375,30 +374,36 @@ class Strategy:
                 )
 
     def _apply_activation_checkpointing(self, model: nn.Module) -> None:
-        name = self.spec.activation_checkpointing or repeated_block_class(model)
-        if name is None:
+        from ..model_adapters import block_classes
+
+        names = {self.spec.activation_checkpointing} if self.spec.activation_checkpointing else block_classes(model)
+        if not names:
             raise StrategyError(
                 "--activation-checkpointing without a class name needs a model with a "
                 "ModuleList of repeated blocks; name the class to checkpoint"
             )
-        self._ac_class = name
+        self._ac_class = ", ".join(sorted(names))
         for qualname, module in model.named_modules():
-            if type(module).__name__ == name and module is not model:
+            if type(module).__name__ in names and module is not model:
                 _checkpoint_forward(module)
                 self._checkpointed.append(qualname)
 
 
-def param_names(model: nn.Module, optimizer) -> list[list[str]]:
-    """The optimizer's param groups as parameter names (to re-point them after wrapping)."""
-    names = {id(p): n for n, p in model.named_parameters()}
+def param_names(model: nn.Module, optimizer) -> list[list[tuple[str, ...]]]:
+    """The optimizer's param groups as parameter names (to re-point them after wrapping); each
+    parameter as all its names (a tied weight has several: GPT-2's lm_head.weight is
+    transformer.wte.weight, and a pipeline stage may hold it under either)."""
+    names: dict = {}
+    for n, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(n)
     try:
-        return [[names[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        return [[tuple(names[id(p)]) for p in g["params"]] for g in optimizer.param_groups]
     except KeyError:
         raise StrategyError("the optimizer holds tensors that are not parameters of this model; "
                             "create it from model.parameters()") from None
 
 
-def repoint_optimizer(optimizer, model: nn.Module, groups: list[list[str]], keep_missing: bool = False) -> None:
+def repoint_optimizer(optimizer, model: nn.Module, groups: list, keep_missing: bool = False) -> None:
     """Point the (still empty) optimizer's groups at ``model``'s current parameters, in place.
 
     Wrappers that replace parameters (fully_shard, parallelize_module) leave
@@ -406,12 +411,13 @@ def repoint_optimizer(optimizer, model: nn.Module, groups: list[list[str]], keep
     valid. ``keep_missing``: drop names this rank no longer holds (a pipeline
     stage) instead of refusing.
     """
-    params = dict(model.named_parameters())
-    for g, names in zip(optimizer.param_groups, groups):
-        missing = [n for n in names if n not in params]
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for g, group in zip(optimizer.param_groups, groups):
+        found = [next((params[n] for n in aliases if n in params), None) for aliases in group]
+        missing = [aliases[0] for aliases, p in zip(group, found) if p is None]
         if missing and not keep_missing:
             raise StrategyError(f"optimizer parameter {missing[0]!r} is not a parameter of the model")
-        g["params"] = [params[n] for n in names if n in params]
+        g["params"] = list({id(p): p for p in found if p is not None}.values())
 
 
 def _checkpoint_forward(module: nn.Module) -> None:
@@ -428,15 +434,6 @@ def _checkpoint_forward(module: nn.Module) -> None:
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward
-
-
-def repeated_block_class(model: nn.Module) -> str | None:
-    """The class name of the repeated blocks (most common class in any ModuleList)."""
-    counts: Counter = Counter()
-    for m in model.modules():
-        if isinstance(m, nn.ModuleList):
-            counts.update(type(c).__name__ for c in m)
-    return counts.most_common(1)[0][0] if counts else None
 
 
 def _optimizer_impl(opt) -> str:

@@ -15,15 +15,6 @@ from .ledger import Tally
 
 
 
-def default_units(model) -> set[str]:
-    """The block classes fsdp shards as units when --wrap is not given."""
-    from .base import repeated_block_class
-
-    present = {type(m).__name__ for m in model.modules()}
-    hf = set(getattr(model, "_no_split_modules", None) or ()) & present
-    return hf or ({repeated_block_class(model)} - {None})
-
-
 def shard_units(model, mesh, spec) -> list[str]:
     """fully_shard the modules of the --wrap classes (innermost first), then the root; their names.
 
@@ -43,7 +34,9 @@ def shard_units(model, mesh, spec) -> list[str]:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=mesh.device_type == "cuda")
     wrap = set(spec.wrap)
     if not wrap:
-        wrap = default_units(model)
+        from ..model_adapters import block_classes
+
+        wrap = block_classes(model)
     wrap.discard("none")
     units = []
     for qualname, module in reversed(list(model.named_modules())):

@@ -45,6 +45,8 @@ class MeshStrategy(Strategy):
         self.units: list[str] = []
         self.heads: list[str] = []
         self._pipe = None  # (schedule, clock) under pp
+        self._tied: list = []  # [(names, meta tensor like it)]: weights tied across pipeline stages
+        self._permuted: dict = {}  # {param name: (QKVPermutation, dim)}: fused q/k/v sharded in permuted order
         self._in_schedule = False
 
     # -- layout ------------------------------------------------------------------
@@ -80,7 +82,7 @@ class MeshStrategy(Strategy):
                 raise StrategyError("pp runs forward and backward together per micro-batch, so it needs the "
                                     "loss: strategy.prepare(model, optimizer, loss_fn=loss_fn), then "
                                     "loss = strategy.forward_backward(inputs, targets)")
-            self.stage_parts = pipeline.split_stage(model, self.coords["pp"], self.pp)
+            stage_model, self.stage_parts, self._tied = pipeline.split_stage(model, self.coords["pp"], self.pp)
             if plan is not None:  # keep the entries for this stage's modules
                 plan = {k: v for k, v in plan.items() if tp_plan.matching({k: v}, model)[k]}
         model.to(self.device)
@@ -88,18 +90,19 @@ class MeshStrategy(Strategy):
             from torch.distributed.tensor.parallel import parallelize_module
 
             if plan is None:
-                plan = tp_plan.default_plan(model, self.spec.sp)
+                plan = tp_plan.default_plan(model, self.spec.sp, self.mesh["tp"])
                 tp_plan.check_plan(plan, model, self.tp)
                 self._check_coverage(plan, model, tp_plan)
             self.heads = tp_plan.localize_heads(plan, model, self.tp)
             parallelize_module(model, self.mesh["tp"], plan)
             self.plan = plan
+            self._permuted = tp_plan.permuted_params(plan, model)
         if self.name == "fsdp":
             self.units = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
         repoint_optimizer(optimizer, model, groups, keep_missing=self.pp > 1)
         self._plain = model
         if self.pp > 1:
-            self._pipe = pipeline.build_schedule(model, self.coords["pp"], self.pp, self.device,
+            self._pipe = pipeline.build_schedule(stage_model, self.coords["pp"], self.pp, self.device,
                                                  self.mesh["pp"].get_group(), self.schedule,
                                                  self.microbatches, self.loss_fn)
             model.register_forward_pre_hook(self._refuse_direct_forward)
@@ -111,17 +114,15 @@ class MeshStrategy(Strategy):
         """Before anything is sharded: refuse a plan that would train wrong, say what it leaves whole."""
         replicated, norms = tp_plan.coverage(plan, model, self.spec.sp)
         if self.spec.sp and (replicated or norms):
-            parts = ([f"left replicated: {', '.join(replicated[:4])}{' ...' if len(replicated) > 4 else ''}"]
+            parts = ([f"replicated: {', '.join(replicated[:4])}{' ...' if len(replicated) > 4 else ''}"]
                      if replicated else []) + ([f"norms not sequence-parallel: {', '.join(norms[:4])}"] if norms else [])
             raise StrategyError(
                 "--sp splits every block's input along the sequence, so every part of a block must be sharded "
-                f"or sequence-parallel; the default plan leaves {'; '.join(parts)}. nbtool shards projections "
-                "named like q_proj/k_proj/v_proj/o_proj and gate_proj/up_proj/down_proj (nn.Linear); pass "
-                "plan={...} to strategy.prepare for other shapes (fused QKV and transformers' Conv1D are not "
-                "split by the default plan), or drop --sp")
+                f"or sequence-parallel; the default plan leaves {'; '.join(parts)}. {tp_plan.WHAT_IS_SPLIT} Pass "
+                "plan={...} to strategy.prepare for other shapes, or drop --sp")
         if replicated:
             self.notes.append("tensor parallelism leaves these block parts replicated (not sharded; every rank "
-                              f"computes them whole): {', '.join(replicated)}")
+                              f"computes them whole): {', '.join(replicated)}. {tp_plan.WHAT_IS_SPLIT}")
 
     def _refuse_direct_forward(self, module, args):
         if not self._in_schedule:
@@ -181,6 +182,7 @@ class MeshStrategy(Strategy):
 
     def _step(self, closure=None):
         self._reduce_partial_grads()
+        self._sum_tied_grads()
         if self.dp > 1 and self.name != "fsdp":
             self._average_over_dp()
         if self.spec.grad_clip:
@@ -204,6 +206,23 @@ class MeshStrategy(Strategy):
             p.grad = DTensor.from_local(t, p.grad.device_mesh, p.placements, run_check=False)
 
     @torch.no_grad()
+    def _sum_tied_grads(self) -> None:
+        """A weight tied across stages (embedding and head) has a copy on each: sum their gradients
+        over the pipeline (stages without it add zeros), so every copy takes the same step."""
+        if not self._tied:
+            return
+        params = dict(self._plain.named_parameters(remove_duplicate=False))
+        group = self.mesh["pp"].get_group()
+        for names, like in self._tied:
+            p = next((params[n] for n in names if n in params), None)
+            grad = None if p is None or p.grad is None else p.grad
+            local = grad.to_local() if hasattr(grad, "to_local") else grad
+            buf = local if local is not None else torch.zeros(like.shape, dtype=like.dtype, device=self.device)
+            dist.all_reduce(buf, group=group)
+            if p is not None and p.grad is None:
+                p.grad = buf
+
+    @torch.no_grad()
     def _average_over_dp(self) -> None:
         """Data-parallel replicas (tp/pp with dp > 1): average the local gradients over dp."""
         grads = [p.grad for p in self._plain.parameters() if p.grad is not None]
@@ -217,10 +236,40 @@ class MeshStrategy(Strategy):
             t.copy_(new)
 
     # -- state -----------------------------------------------------------------------
+    def _model_layout(self, key: str, full: torch.Tensor) -> torch.Tensor:
+        """A full tensor in the plain model's layout (a fused q/k/v weight back in [q | k | v] order)."""
+        if key not in self._permuted:
+            return full
+        permutation, dim = self._permuted[key]
+        return permutation.undo(full, dim)
+
+    def model_state(self, for_load: bool = False) -> dict:
+        """DCP's state dict, except fused q/k/v weights: full tensors in the model's layout, so a
+        checkpoint holds the same matrix whichever strategy wrote it."""
+        sd = super().model_state(for_load)
+        for key in self._permuted:
+            if key in sd:
+                sd[key] = self._model_layout(key, sd[key].full_tensor())
+        return sd
+
+    @torch.no_grad()
+    def apply_model_state(self, sd: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+        from torch.distributed.tensor import distribute_tensor
+
+        fused = {k: sd.pop(k) for k in list(sd) if k in self._permuted}
+        set_model_state_dict(self._plain, sd, options=StateDictOptions(strict=not fused))
+        params = dict(self._plain.named_parameters())
+        for key, full in fused.items():
+            permutation, dim = self._permuted[key]
+            p = params[key]
+            p.copy_(distribute_tensor(permutation.apply(full.to(p.device, p.dtype), dim), p.device_mesh,
+                                      p.placements))
+
     def _full_state_dict(self):
         from torch.distributed.tensor import DTensor
 
-        sd = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
+        sd = {k: self._model_layout(k, v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu()
               for k, v in self._plain.state_dict().items()}
         if self.pp > 1:  # each stage holds its own part: collect them (one copy per stage)
             parts = [None] * dist.get_world_size()
@@ -253,6 +302,9 @@ class MeshStrategy(Strategy):
             d["heads"] = list(self.heads)
         if self.pp > 1:
             d["stage"] = f"{c['pp']} of {self.pp}: {', '.join(self.stage_parts)}"
+            if self._tied:
+                d["tied"] = [" = ".join(names) + " (a copy per stage, gradients summed over pp)"
+                             for names, _ in self._tied]
             d["schedule"] = (f"{self.schedule}, {self.microbatches} micro-batches per batch; bubble for equal "
                              f"stages (p-1)/(M+p-1) = {bubble_fraction(self.pp, self.microbatches):.1%}")
         if self.units:
