@@ -166,7 +166,8 @@ def _ddp_losses(nano, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2", "zero3", "tp", "tp --sp", "pp", "fsdp --tp 2"])
+@pytest.mark.parametrize("strategy", ["fsdp", "zero1", "zero2", "zero3", "tp", "tp --sp", "pp", "fsdp --tp 2",
+                                      "fsdp --activation-checkpointing"])
 def test_every_strategy_trains_real_models_as_ddp_does(nano, family, strategy):
     """The same cell, fp32: every strategy's losses equal ddp's (1e-5 relative), or it refuses before training."""
     ref = _ddp_losses(nano, family)
@@ -269,7 +270,24 @@ def test_fsdp_shards_each_block_by_default(hf):
                 "_units = strategy.describe()['units']").raise_error()
     hf.run_cell("%%distributed fsdp --wrap none --quiet --no-metrics\n_hf_train(strategy, 'llama', steps=1)\n"
                 "_one = strategy.describe()['units']").raise_error()
-    hf.run_line_magic("dist_pull", "_units _one --rank 0")
+    hf.run_cell("%%distributed fsdp --activation-checkpointing --quiet --no-metrics\n"
+                "_hf_train(strategy, 'llama', steps=1)\n_ac = strategy.describe()['activation_checkpointing']").raise_error()
+    hf.run_line_magic("dist_pull", "_units _one _ac --rank 0")
+    assert hf.user_ns["_ac"] == "2 x LlamaDecoderLayer"  # the same blocks, recomputed in backward
     # LlamaForCausalLM._no_split_modules = ["LlamaDecoderLayer"]: each layer a unit, then the root
     assert hf.user_ns["_units"] == ["model.layers.1", "model.layers.0", "<root>"]
     assert hf.user_ns["_one"] == ["<root>"]
+
+
+def test_zero3_cells_keep_rank_memory_flat(hf):
+    """20 zero3 cells in a row: a rank's RSS (the OS's figure for the whole process) stays within 10 MB
+    after the first cells warm up; nothing a strategy builds outlives its cell."""
+    hf.run_cell("%%distributed --quiet\nimport gc, psutil\n_rss = []").raise_error()
+    for _ in range(20):
+        hf.run_cell("%%distributed zero3 --quiet --no-metrics\n_hf_train(strategy, 'llama', steps=1)\n"
+                    "gc.collect()\n_rss.append(psutil.Process().memory_info().rss)").raise_error()
+    hf.run_line_magic("dist_pull", "_rss --rank 0")
+    rss = hf.user_ns["_rss"]
+    assert len(rss) == 20
+    growth = (max(rss[4:]) - rss[4]) / 2**20
+    assert growth < 10, [round((x - rss[0]) / 2**20, 1) for x in rss]

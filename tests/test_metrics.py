@@ -251,6 +251,21 @@ def test_dashboard_from_a_real_run(ranks):
     assert sum(dash.fig.data[i].y[0] for i in range(5)) > 0  # rank 0's ledger bars
 
 
+def test_dashboard_keeps_its_op_when_a_run_starts_with_barriers():
+    """A zero3 run on a Hugging Face model issued barriers before any collective with a latency plot;
+    the dashboard picked "barrier", not one of its options, and the cell failed."""
+    from nbtool.widgets import Dashboard
+
+    run = RunRecords("barriers", "zero3", 2, t_start=100.0)
+    run.add([CommRecord(r, 1, "barrier", 0, 0, 2, "", 100.0, 0.001, "wall", 0) for r in range(2)])
+    dash = Dashboard(2)
+    dash.refresh(run, force=True)
+    assert dash.op.value == "all_reduce"
+    run.add([CommRecord(r, 2, "broadcast", 64, 64, 2, "float32", 100.1, 0.001, "wall", 0) for r in range(2)])
+    dash.refresh(run, force=True)
+    assert dash.op.value == "broadcast"  # the first op it can plot
+
+
 def test_later_zero_runs_are_recorded_as_fully_as_the_first(ranks):
     """DeepSpeed's comm backend keeps the all-gather function it found in the first zero cell;
     when the recorder patched torch.distributed per run, later runs lost those calls."""

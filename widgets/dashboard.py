@@ -113,7 +113,7 @@ class Dashboard:
         n = self.world_size
         ncat = len(LEDGER_CATEGORIES)
         ledgers = [run_analysis.peak_ledger(run, r) for r in range(n)]
-        ops_seen = sorted({c.op for c in run.comms})
+        ops_seen = sorted({c.op for c in run.comms} & set(self.op.options))  # barriers have no latency plot
         if not self._op_chosen and ops_seen and self.op.value not in ops_seen:
             self._setting = True
             self.op.value = "all_reduce" if "all_reduce" in ops_seen else ops_seen[0]

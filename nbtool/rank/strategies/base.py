@@ -383,6 +383,16 @@ class Strategy:
                 "ModuleList of repeated blocks; name the class to checkpoint"
             )
         self._ac_class = ", ".join(sorted(names))
+        if getattr(model, "supports_gradient_checkpointing", False) and hasattr(model, "gradient_checkpointing_enable"):
+            # a Hugging Face model: its own switch, which also keeps the KV cache out of the recomputed
+            # forward (a cache written twice would give the replay different shapes)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            layers = [(q, m) for q, m in model.named_modules() if getattr(m, "gradient_checkpointing", False) is True
+                      and m is not model]
+            if layers and names <= {type(m).__name__ for _, m in layers}:
+                self._checkpointed = [q for q, m in layers if type(m).__name__ in names]
+                return
+            model.gradient_checkpointing_disable()  # another class was named: checkpoint it as below
         for qualname, module in model.named_modules():
             if type(module).__name__ in names and module is not model:
                 _checkpoint_forward(module)
