@@ -7,7 +7,8 @@ Prints, side by side in one run:
 - the time from ``%cluster start -n 2`` to a ready process group against raw
   ``ipyparallel.Cluster(n=2).start_and_connect_sync()`` plus
   ``init_process_group`` on each engine (``start_ratio``, target <= 1.2).
-Starts alternate between the two so drift on a noisy machine hits both.
+Both are paired and interleaved (benchmarks/_paired.py): each ratio is the
+median of >= 5 per-pair ratios, printed with their spread and the verdict.
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import time
 
 import ipyparallel as ipp
 
+from _paired import alternate, ratio_line
 from _shell import nbtool_cluster, shell
 
 
@@ -59,28 +61,32 @@ def median_cell(ip, cell: str, reps: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=200)
-    ap.add_argument("--starts", type=int, default=2)
+    ap.add_argument("--starts", type=int, default=5, help="paired cluster starts (>= 5)")
+    ap.add_argument("--pairs", type=int, default=5, help="paired batches of dispatch cells (>= 5)")
     a = ap.parse_args()
     ip = shell()
 
-    nb_starts, raw_starts = [], []
-    for _ in range(a.starts):
+    def raw_arm():
         t, cluster = raw_start()
-        raw_starts.append(t)
         cluster.stop_cluster_sync()
+        return t
+
+    def nbtool_arm():
         t0 = time.perf_counter()
         ip.run_line_magic("cluster", "start -n 2")
-        nb_starts.append(time.perf_counter() - t0)
+        t = time.perf_counter() - t0
         ip.run_line_magic("cluster", "stop")
+        return t
+
+    nb_starts, raw_starts = alternate(a.starts, nbtool_arm, raw_arm)
 
     ip.run_line_magic("cluster", "start -n 2")
     rc = nbtool_cluster(ip).client
     view = rc.direct_view(targets=sorted(rc.ids))
     view.activate()  # registers %%px on the same engines
-    nb_cells, px_cells = [], []
-    for _ in range(5):  # interleave batches so drift hits both
-        px_cells.append(median_cell(ip, "%%px --block\nx = 1", a.reps // 5))
-        nb_cells.append(median_cell(ip, "%%distributed\nx = 1", a.reps // 5))
+    batch = max(1, a.reps // a.pairs)  # each pair: a batch of cells per arm, its median per arm
+    nb_cells, px_cells = alternate(a.pairs, lambda: median_cell(ip, "%%distributed\nx = 1", batch),
+                                   lambda: median_cell(ip, "%%px --block\nx = 1", batch))
     ip.run_line_magic("cluster", "stop")
 
     nb_cell, px_cell = statistics.median(nb_cells), statistics.median(px_cells)
@@ -89,9 +95,10 @@ def main() -> None:
     print(f"%%distributed x=1 median:       {nb_cell * 1e3:.2f} ms")
     print(f"raw Cluster start + init_pg:    {raw_start_s:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in raw_starts)})")
     print(f"%cluster start -n 2:            {nb_start:.2f} s  (runs: {', '.join(f'{t:.2f}' for t in nb_starts)})")
-    print(f"start_ratio={nb_start / raw_start_s:.3f}")
-    print(f"dispatch_ratio={nb_cell / px_cell:.3f}")
-
+    start = ratio_line("start (nbtool / raw ipyparallel)", nb_starts, raw_starts, 1.2)
+    dispatch = ratio_line("dispatch (%%distributed / %%px)", nb_cells, px_cells, 1.2)
+    print(f"start_ratio={start:.3f}")
+    print(f"dispatch_ratio={dispatch:.3f}")
 
 if __name__ == "__main__":
     main()

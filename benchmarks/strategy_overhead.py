@@ -11,9 +11,11 @@ On the same 2 CPU ranks (gloo), the same model, data and loop run
   DeepSpeed config).
 - and, to separate the strategy layer from the engine process it runs in,
   the torchrun script's loop called inside the same engines.
-Each runs ``--rounds`` times, alternating, and the median per-step wall time
-of rank 0 is compared. Prints ``strategy_overhead_ratio=<worst of the two>``
-last; target <= 1.05.
+Each runs ``--rounds`` (>= 5) times, alternating in alternating order; each
+round's median per-step wall time of rank 0 gives one nbtool / torchrun pair
+(benchmarks/_paired.py: median of the pairs, their spread, the verdict).
+Prints ``strategy_overhead_ratio=<worse median of the two>`` last; target
+<= 1.05.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _paired import alternate, ratio_line
 from _shell import cluster_shell, median_step, nbtool_cluster
 
 HERE = Path(__file__).resolve().parent
@@ -58,24 +61,29 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     ip = cluster_shell()
     view = nbtool_cluster(ip).view([0, 1])
     view.apply_sync(lambda p: __import__("sys").path.insert(0, p), str(HERE))
     ratios = {}
     for name in ("ddp", "zero3"):
-        nb, hand, eng = [], [], []
-        for _ in range(a.rounds):
-            hand.append(statistics.median(raw(name, a.steps, a.warmup)))
-            nb.append(median_step(ip, f"{name} --no-metrics", a.steps, a.warmup))
-            eng.append(in_engine(view, name, a.steps, a.warmup))
+        eng = []
+
+        def nbtool_arm():
+            return median_step(ip, f"{name} --no-metrics", a.steps, a.warmup)
+
+        def hand_arm():
+            eng.append(in_engine(view, name, a.steps, a.warmup))  # the in-engine loop rides with the baseline
+            return statistics.median(raw(name, a.steps, a.warmup))
+
+        nb, hand = alternate(a.rounds, nbtool_arm, hand_arm)
         nb_s, hand_s, eng_s = statistics.median(nb), statistics.median(hand), statistics.median(eng)
-        ratios[name] = nb_s / hand_s
         print(f"{name:6} per-step median: nbtool {nb_s * 1e3:7.2f} ms   torchrun {hand_s * 1e3:7.2f} ms   "
-              f"ratio {ratios[name]:.3f}   | same hand-written loop inside the engines {eng_s * 1e3:7.2f} ms: "
-              f"strategy layer alone x{nb_s / eng_s:.3f}   (rounds nbtool {[round(t * 1e3, 1) for t in nb]}, "
+              f"| the hand-written loop inside the engines {eng_s * 1e3:7.2f} ms: strategy layer alone "
+              f"x{nb_s / eng_s:.3f}   (rounds nbtool {[round(t * 1e3, 1) for t in nb]}, "
               f"torchrun {[round(t * 1e3, 1) for t in hand]}, in-engine {[round(t * 1e3, 1) for t in eng]})")
+        ratios[name] = ratio_line(f"strategy_overhead {name} (nbtool / torchrun)", nb, hand, 1.05)
     ip.run_line_magic("cluster", "stop")
     print(f"strategy_overhead_ratio={max(ratios.values()):.3f}")
 

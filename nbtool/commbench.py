@@ -1,8 +1,10 @@
 """``%commbench`` results (kernel side, pure Python; plots are drawn by nbtool.widgets): sizes, table, fit.
 
-Per op and size, the reported time is nccl-tests': the mean time per call
-(timed as one batch of ``iters`` calls) of the slowest rank; min / median /
-max across ranks are kept too. algbw = S / t and busbw = algbw x the op's
+Per op and size each rank times ``repeat`` batches of ``iters`` calls. Each
+repetition's time is nccl-tests': the mean time per call of the slowest rank;
+the reported time is the median over repetitions (``rep_min_s`` /
+``rep_max_s``: their spread), and the fit uses these medians. min / median /
+max across ranks (of each rank's median) are kept too. algbw = S / t and busbw = algbw x the op's
 bus factor (nbtool.collectives, which also defines S per op). ``wrong`` counts
 result elements that differ from the expected values on any rank.
 
@@ -99,6 +101,7 @@ class CommbenchResult:
     warmup: int
     inplace: bool
     label: str = ""
+    repeat: int = 1
     rows: list = field(default_factory=list)  # one dict per (op, size)
     fits: dict = field(default_factory=dict)  # op -> Fit
 
@@ -111,11 +114,14 @@ class CommbenchResult:
             for r in rows:
                 by_key.setdefault((r["op"], r["count"]), []).append(r)
         for (op, count), rs in sorted(by_key.items(), key=lambda kv: (BENCH_OPS.index(kv[0][0]), kv[0][1])):
-            times = sorted(r["seconds"] for r in rs)
-            t = times[-1]  # the slowest rank, as nccl-tests reports
+            times = sorted(r["seconds"] for r in rs)  # each rank's median
+            # per repetition the slowest rank, as nccl-tests reports; then the median over repetitions
+            reps = sorted(max(vals) for vals in zip(*(r.get("samples", [r["seconds"]]) for r in rs)))
+            t = reps[len(reps) // 2]
             alg, bus = bandwidths(op, rs[0]["size_bytes"], n, t)
             res.rows.append({"op": op, "size_bytes": rs[0]["size_bytes"], "count": count, "dtype": res.dtype,
-                             "seconds": t, "min_s": times[0], "median_s": times[len(times) // 2], "max_s": t,
+                             "seconds": t, "rep_min_s": reps[0], "rep_max_s": reps[-1],
+                             "min_s": times[0], "median_s": times[len(times) // 2], "max_s": times[-1],
                              "algbw": alg, "busbw": bus, "wrong": sum(r["wrong"] for r in rs),
                              "clock": rs[0]["clock"]})
         for op in {r["op"] for r in res.rows}:
@@ -153,18 +159,21 @@ class CommbenchResult:
         n = len(self.ranks)
         head = f"{'op':>14} {'size(B)':>11} {'count':>10} {'type':>8} {'busfactor':>9}"
         if not deterministic:
-            head += f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'min/med/max(us) across ranks':>30}"
+            head += (f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'min/max(us) over repeats':>25}"
+                     f" {'min/med/max(us) across ranks':>30}")
         head += f" {'#wrong':>6}"
         lines = [f"# {self.label or 'commbench'}: {self.backend}, ranks {self.ranks}, {self.dtype}, "
-                 f"{self.iters} iters after {self.warmup} warm-up, {'in-place' if self.inplace else 'out-of-place'}",
+                 f"{self.repeat} x {self.iters} iters after {self.warmup} warm-up (time: median of the repeats), "
+                 f"{'in-place' if self.inplace else 'out-of-place'}",
                  head]
         for r in self.rows:
             line = (f"{r['op']:>14} {r['size_bytes']:>11} {r['count']:>10} {r['dtype']:>8} "
                     f"{bus_factor(r['op'], n):>9.3f}")
             if not deterministic:
                 mmm = f"{r['min_s'] * 1e6:.1f}/{r['median_s'] * 1e6:.1f}/{r['max_s'] * 1e6:.1f}"
+                spread = f"{r.get('rep_min_s', r['seconds']) * 1e6:.1f}/{r.get('rep_max_s', r['seconds']) * 1e6:.1f}"
                 line += (f" {r['seconds'] * 1e6:>10.1f} {r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f} "
-                         f"{mmm:>30}")
+                         f"{spread:>25} {mmm:>30}")
             lines.append(line + f" {r['wrong']:>6}")
         if not deterministic:
             for op, fit in sorted(self.fits.items()):

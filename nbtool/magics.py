@@ -337,7 +337,9 @@ class NbtoolMagics(Magics):
     @argument("--sizes", default="4B:64MB", help="MIN:MAX (or one size), units B/KB/MB/GB (binary), default 4B:64MB")
     @argument("--factor", type=positive_number, default=2.0, help="size step factor (default 2)")
     @argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
-    @argument("--iters", type=positive_int, default=20, help="timed calls per size (default 20)")
+    @argument("--iters", type=positive_int, default=20, help="timed calls per batch (default 20)")
+    @argument("--repeat", type=positive_int, default=5,
+              help="timed batches per size (default 5): the time is their median, min/max their spread")
     @argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
     @argument("--ranks", default=None, help="benchmark a subset of ranks, e.g. 0,1 (default: all)")
     @argument("--inplace", action="store_true",
@@ -348,8 +350,9 @@ class NbtoolMagics(Magics):
         """Measure collective latency and bandwidth on the running cluster, like nccl-tests.
 
         ``res = %commbench all_reduce all_gather --sizes 1KB:64MB``. For each op
-        and size: warm-up calls, then ``--iters`` calls timed as a batch; the
-        time is the slowest rank's mean per call; algbw = S/t, busbw = algbw x
+        and size: warm-up calls, then ``--repeat`` batches of ``--iters`` calls;
+        a batch's time is the slowest rank's mean per call, the reported time
+        the median over batches (their min/max shown as the spread); algbw = S/t, busbw = algbw x
         the nccl-tests factor; every result is checked (#wrong). Returns a
         CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
         to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
@@ -380,7 +383,7 @@ class NbtoolMagics(Magics):
         if len(ranks) < 2:
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
         return actions.commbench.commbench(self.session, cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
-                                 args.inplace, self.in_kernel, label=args.label)
+                                 args.inplace, self.in_kernel, label=args.label, repeat=args.repeat)
 
     # -- %dist_plan -----------------------------------------------------------
     @magic_arguments()

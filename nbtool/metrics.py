@@ -13,7 +13,7 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-SCHEMA_VERSION = 2  # 2: the run description is a RunDescription
+SCHEMA_VERSION = 3  # 2: the run description is a RunDescription; 3: CommWait records, CommRecord.asynchronous
 
 LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
 
@@ -84,6 +84,9 @@ class CommRecord:
     the call's return for blocking ops, the work's future for async ones,
     the caller's wait() for gloo send/recv, which have no future) or
     "cuda_event" (device time between CUDA events on the issuing stream).
+    ``asynchronous``: issued with ``async_op=True`` (or isend/irecv), so the
+    caller ran on while it was in flight; how long it then waited for it is in
+    CommWait records.
     """
 
     rank: int
@@ -99,6 +102,20 @@ class CommRecord:
     step: int  # optimizer steps completed when it was issued
     algbw: float = 0.0  # bytes / s
     busbw: float = 0.0
+    asynchronous: bool = False
+    schema: int = SCHEMA_VERSION
+
+
+@dataclass
+class CommWait:
+    """The training thread of ``rank`` blocked in ``Work.wait()`` on async collective ``seq``, from
+    wall time ``t`` for ``seconds``: the exposed part of an async collective (a blocking one is
+    exposed for all of its ``seconds``)."""
+
+    rank: int
+    seq: int
+    t: float
+    seconds: float
     schema: int = SCHEMA_VERSION
 
 
@@ -185,8 +202,9 @@ class PipelineStep:
 
 # RunRecords list -> record type (JSON keys), and the CSV "kind" of each
 KINDS = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord,
-         "pipeline": PipelineStep}
-CSV_KINDS = {"comm": "comms", "memory": "memory", "step": "steps", "scalar": "scalars", "pipeline": "pipeline"}
+         "pipeline": PipelineStep, "waits": CommWait}
+CSV_KINDS = {"comm": "comms", "memory": "memory", "step": "steps", "scalar": "scalars", "pipeline": "pipeline",
+             "wait": "waits"}
 
 
 @dataclass
@@ -215,6 +233,7 @@ class RunRecords:
     steps: list = field(default_factory=list)
     scalars: list = field(default_factory=list)
     pipeline: list = field(default_factory=list)  # PipelineStep records (pp runs only)
+    waits: list = field(default_factory=list)  # CommWait records
     schema: int = SCHEMA_VERSION
 
     def add(self, records) -> None:
@@ -277,6 +296,8 @@ def _from_csv(value: str, typ: str):
         return None
     if "dict" in typ:
         return json.loads(value)
+    if typ.startswith("bool"):
+        return value == "True"
     if typ.startswith("int"):
         return int(value)
     if typ.startswith("float"):

@@ -6,8 +6,12 @@ belong to the step during which they were issued. "comm time" is busy
 time: the union of the collectives' in-flight intervals (issue to
 completion) within the step, so async collectives that overlap each other
 (ZeRO-3's prefetched all-gathers) count once, never summed; ``comm_summed_s``
-keeps the plain sum for comparison. How much of it the step actually waited
-for (exposed time) is not measured here.
+keeps the plain sum for comparison. "exposed" is the part the rank's
+training thread was blocked on: blocking collectives for all of their call,
+async ones only while waited (CommWait records), as a union again. A step with
+an async collective nobody was seen waiting for (DDP's reducer waits on its
+futures in C++) has exposed time None (not measured), never 0. Device clocks
+(CUDA events) time the device, not the host's blocking: None as well.
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ def step_table(run: RunRecords, rank: int = 0) -> list[dict]:
     for c in run.comms:
         if c.rank == rank:
             comms[c.step + 1].append(c)  # issued after c.step steps: part of step c.step + 1
+    waits = defaultdict(list)
+    for w in run.waits:
+        if w.rank == rank:
+            waits[w.seq].append(w)
     rows = []
     for prev, cur in zip(marks, marks[1:]):
         cs = comms.get(cur.step, [])
@@ -33,11 +41,21 @@ def step_table(run: RunRecords, rank: int = 0) -> list[dict]:
         duration = cur.t - prev.t
         comm_s = busy_seconds([(c.t_issue, c.t_issue + c.seconds) for c in cs], prev.t, cur.t)
         rows.append({"step": cur.step, "seconds": duration, "comm_s": comm_s,
+                     "exposed_s": exposed_seconds(cs, waits, prev.t, cur.t),
                      "comm_summed_s": sum(c.seconds for c in cs),
                      "compute_s": max(0.0, duration - comm_s), "bytes_by_op": dict(by_op),
                      "bus_bytes": sum(c.bus_bytes for c in cs), "count": len(cs),
                      "count_by_op": {op: sum(1 for c in cs if c.op == op) for op in by_op}})
     return rows
+
+
+def exposed_seconds(comms, waits: dict, lo: float, hi: float) -> float | None:
+    """Seconds of [lo, hi] the thread was blocked on ``comms`` (see the module docstring), or None."""
+    if any(c.clock != "wall" or (c.asynchronous and c.seq not in waits) for c in comms):
+        return None
+    blocked = [(c.t_issue, c.t_issue + c.seconds) for c in comms if not c.asynchronous]
+    blocked += [(w.t, w.t + w.seconds) for c in comms if c.asynchronous for w in waits[c.seq]]
+    return busy_seconds(blocked, lo, hi)
 
 
 def busy_seconds(intervals, lo: float = float("-inf"), hi: float = float("inf")) -> float:
@@ -101,6 +119,8 @@ def summary(run: RunRecords) -> dict:
         "collectives_per_step": {op: mean([s["count_by_op"].get(op, 0) for s in steps]) for op in ops},
         "step_s": mean([s["seconds"] for s in steps]),
         "comm_s_per_step": mean([s["comm_s"] for s in steps]),
+        "exposed_s_per_step": (mean([s["exposed_s"] for s in steps])
+                               if steps and all(s["exposed_s"] is not None for s in steps) else None),
         "final_loss": losses[-1].values["loss"] if losses else None,
     }
 

@@ -45,6 +45,20 @@ def test_alpha_beta_fit_recovers_known_parameters(op, n):
     assert 0.9 < rough.r2 < 1.0
 
 
+def test_repeats_take_the_slowest_rank_per_repeat_then_the_median():
+    """Each repetition is one nccl-tests measurement (the slowest rank); the result is their median."""
+    def row(rank, samples):
+        return {"op": "all_reduce", "count": 256, "size_bytes": 1024, "dtype": "float32", "rank": rank,
+                "seconds": sorted(samples)[1], "samples": samples, "wrong": 0, "clock": "wall"}
+
+    res = CommbenchResult.from_rank_rows([[row(0, [1.0, 5.0, 3.0])], [row(1, [2.0, 1.0, 4.0])]], backend="gloo",
+                                         ranks=[0, 1], dtype="float32", iters=1, warmup=0, inplace=False, repeat=3)
+    (r,) = res.rows
+    assert (r["rep_min_s"], r["seconds"], r["rep_max_s"]) == (2.0, 4.0, 5.0)  # per-repeat maxima 2, 5, 4
+    assert (r["min_s"], r["max_s"]) == (2.0, 3.0)  # the ranks' own medians
+    assert "3 x 1 iters" in res.text()
+
+
 def test_every_op_gives_correct_values(ip, cluster, capsys):
     res = ip.run_line_magic("commbench", "all_reduce all_gather reduce_scatter broadcast all_to_all "
                                          "--sizes 8B:1MB --factor 16 --iters 3 --warmup 1")
@@ -53,7 +67,8 @@ def test_every_op_gives_correct_values(ip, cluster, capsys):
     assert res.wrong == 0 and all(r["wrong"] == 0 for r in res.rows)
     assert res.backend == "gloo" and res.ranks == [0, 1]
     for r in res.rows:
-        assert r["min_s"] <= r["median_s"] <= r["max_s"] == r["seconds"] > 0
+        assert r["min_s"] <= r["median_s"] <= r["max_s"] and r["seconds"] > 0
+        assert r["rep_min_s"] <= r["seconds"] <= r["rep_max_s"]  # the median of the repeats, inside their spread
         assert r["busbw"] == pytest.approx(r["algbw"] * bus_factor(r["op"], 2))
         assert r["algbw"] == pytest.approx(r["size_bytes"] / r["seconds"])
         assert r["clock"] == "wall"

@@ -289,3 +289,34 @@ def test_comm_time_is_busy_time_never_a_sum_of_overlapping_calls():
     (row,) = step_table(run, 0)
     assert abs(row["comm_s"] - 0.3) < 1e-9 and abs(row["comm_summed_s"] - 1.2) < 1e-9
     assert row["comm_s"] <= row["seconds"]
+    assert row["exposed_s"] == 0.3  # blocking calls: the thread waited all of it
+
+
+def test_exposed_time_counts_only_waits_on_async_collectives():
+    from nbtool.metrics import CommWait
+    from nbtool.run_analysis import step_table
+
+    run = RunRecords("async", "zero3", 2, t_start=100.0)
+    run.add([StepMarker(0, 1, 100.0), StepMarker(0, 2, 101.0)])
+    run.add([CommRecord(0, i, "all_gather", 2**20, 2**20, 2, "float32", 100.2, 0.3, "wall", 1, 1e9, 1e9,
+                        asynchronous=True) for i in range(4)])
+    run.add([CommWait(0, i, 100.45, 0.05) for i in range(4)])  # all waited in the same 50 ms
+    (row,) = step_table(run, 0)
+    assert abs(row["comm_s"] - 0.3) < 1e-9 and abs(row["exposed_s"] - 0.05) < 1e-9
+    run.add([CommRecord(0, 9, "all_reduce", 64, 64, 2, "float32", 100.6, 0.1, "wall", 1, 1e9, 1e9,
+                        asynchronous=True)])  # a future nobody was seen waiting for (DDP's reducer)
+    assert step_table(run, 0)[0]["exposed_s"] is None
+
+
+def test_exposed_time_measured_on_real_ranks(ranks):
+    """zero3's async all-gathers are waited in Python (CommWait records): exposed <= busy; ddp's
+    bucket futures are waited inside its C++ reducer: not measured, shown as '-'."""
+    from nbtool.widgets.compare import Comparison
+
+    zero3, ddp = record(ranks, "zero3"), record(ranks, "ddp")
+    assert zero3.waits and all(w.rank in (0, 1) and w.seconds >= 0 for w in zero3.waits)
+    rows = per_step(zero3)
+    assert all(r["exposed_s"] is not None and r["exposed_s"] <= r["comm_s"] + 1e-6 for r in rows)
+    assert all(r["exposed_s"] is None for r in per_step(ddp))
+    table = Comparison([zero3, ddp]).text()
+    assert "comm exposed ms/step" in table and table.splitlines()[2].split()[-2] == "-"

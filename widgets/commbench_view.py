@@ -56,7 +56,8 @@ class SweepPlot:
 
 
 def result_figure(*results) -> go.Figure:
-    """Latency (log-log) and busbw against size for one or more CommbenchResults, overlaid."""
+    """Latency (log-log, with the spread over repeats) and busbw against size for one or more
+    CommbenchResults, overlaid."""
     fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call (us)", "bus bandwidth (GB/s)"))
     sizes = []
     for k, res in enumerate(results):
@@ -68,8 +69,12 @@ def result_figure(*results) -> go.Figure:
             xs = [r["size_bytes"] for r in pts]
             sizes += xs
             line = dict(color=op_color(op), dash=DASHES[k % len(DASHES)])
+            # the bars span the repeats' min..max around their median (the point)
+            spread = dict(type="data", symmetric=False, thickness=1, width=3,
+                          array=[(r.get("rep_max_s", r["seconds"]) - r["seconds"]) * 1e6 for r in pts],
+                          arrayminus=[(r["seconds"] - r.get("rep_min_s", r["seconds"])) * 1e6 for r in pts])
             fig.add_trace(go.Scatter(x=xs, y=[r["seconds"] * 1e6 for r in pts], mode="lines+markers",
-                                     name=name, legendgroup=name, line=line), 1, 1)
+                                     name=name, legendgroup=name, line=line, error_y=spread), 1, 1)
             fig.add_trace(go.Scatter(x=xs, y=[r["busbw"] / 1e9 for r in pts], mode="lines+markers",
                                      name=name, legendgroup=name, showlegend=False, line=line), 1, 2)
     _axes(fig, sizes)

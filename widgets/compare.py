@@ -44,7 +44,8 @@ class Comparison:
         cols = ["run", "model state MiB (max rank)", "vs first", "comm bus MiB/step", "vs first",
                 "by op: S MiB/step"]
         if not deterministic:
-            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm busy ms/step", "final loss"]
+            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm busy ms/step",
+                     "comm exposed ms/step", "final loss"]
         out = []
         for row in self.rows:
             ms = max(row["model_state_bytes"].values() or [0])
@@ -55,6 +56,7 @@ class Comparison:
                 cells += [f"{sum(row['collectives_per_step'].values()):.1f}",
                           f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
                           _ratio(row["step_s"], base["step_s"]), f"{row['comm_s_per_step'] * 1e3:.1f}",
+                          "-" if row["exposed_s_per_step"] is None else f"{row['exposed_s_per_step'] * 1e3:.1f}",
                           "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"]
             out.append(cells)
         return cols, out
@@ -77,8 +79,10 @@ class Comparison:
                 "(ledger, not RSS); comm bus bytes = S x the nccl-tests bus factor of each collective issued per "
                 "optimizer step (what each rank sends/receives; mean of steps 2..N, rank 0), S by op as nccl-tests "
                 "defines it; times are wall time on rank 0; comm busy = the union of the collectives' in-flight intervals "
-                "within each step (overlapping async collectives count once; how much of it the step waited for is "
-                "not measured); ratios are to the first run")
+                "within each step (overlapping async collectives count once); comm exposed = the part of it the "
+                "training thread was blocked on (blocking collectives whole, async ones while waited; '-' where that "
+                "is not observable: DDP's reducer waits inside C++, CUDA ranks time the device); ratios are to the "
+                "first run")
         return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 

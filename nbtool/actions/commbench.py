@@ -10,7 +10,7 @@ from .state import Session
 
 
 def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int,
-              ranks: list[int], inplace: bool, in_kernel: bool, label: str = ""):
+              ranks: list[int], inplace: bool, in_kernel: bool, label: str = "", repeat: int = 5):
     """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook)."""
     from ..commbench import DTYPES, CommbenchResult, element_count
     from ..rank import commbench as rank_bench
@@ -28,7 +28,7 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
         plot_id = show_live(plot.fig)
     # every rank takes part: creating the sub-group (if any) is collective over the world
     ar = cluster.view(everyone).apply_async(rank_bench.run_sweep, ops, counts, dtype, iters, warmup,
-                                            tuple(ranks), inplace, plot is not None)
+                                            tuple(ranks), inplace, plot is not None, repeat)
     seen: dict = {}
     try:
         while not ar.wait(0.1):
@@ -50,7 +50,8 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
             replace_live(plot_id, retire=plot)
         raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
-                                            dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label)
+                                            dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label,
+                                            repeat=repeat)
     if plot is not None:  # the live plot's output becomes the result's static figure, in place
         from ..widgets.figures import replace_live
 

@@ -1,9 +1,9 @@
 """Engine side of ``%commbench``: timed collectives, measured like nccl-tests.
 
-For each op and size: ``warmup`` untimed calls, then ``iters`` calls timed as
-one batch with the device synchronised only around the batch (CUDA events on
-GPUs, the wall clock on CPU), giving this rank's mean time per call. Then one
-more call on freshly filled buffers (outputs cleared first) whose result is
+For each op and size: ``warmup`` untimed calls, then ``repeat`` batches of
+``iters`` calls, each batch after a barrier and timed with the device
+synchronised only around it (CUDA events on GPUs, the wall clock on CPU),
+giving this rank's mean time per call in each repetition. Then one more call on freshly filled buffers (outputs cleared first) whose result is
 checked element by element, so a broken collective is reported as wrong
 rather than timed.
 """
@@ -71,8 +71,26 @@ def _call(op: str, inp, out, group):
         dist.all_to_all_single(out, inp, group=group)
 
 
+def _timed_batch(op: str, inp, out, group, iters: int, cuda: bool) -> float:
+    """Mean seconds per call of ``iters`` back-to-back calls, after a barrier (ranks start together)."""
+    dist.barrier(group=group)
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            _call(op, inp, out, group)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / iters
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        _call(op, inp, out, group)
+    return (time.perf_counter() - t0) / iters
+
+
 def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup: int,
-              ranks: tuple[int, ...], inplace: bool, publish: bool = True) -> list[dict]:
+              ranks: tuple[int, ...], inplace: bool, publish: bool = True, repeat: int = 1) -> list[dict]:
     """Time every (op, count); returns this rank's rows (empty on ranks outside ``ranks``).
 
     ``counts[op]`` lists element counts (each divisible by the group size
@@ -97,28 +115,15 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
             _fill(op, inp, n, me)
             for _ in range(warmup):
                 _call(op, inp, out, group)
-            dist.barrier(group=group)
-            if cuda:
-                torch.cuda.synchronize()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                for _ in range(iters):
-                    _call(op, inp, out, group)
-                end.record()
-                end.synchronize()
-                seconds = start.elapsed_time(end) / 1e3 / iters
-            else:
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    _call(op, inp, out, group)
-                seconds = (time.perf_counter() - t0) / iters
+            samples = [_timed_batch(op, inp, out, group, iters, cuda) for _ in range(repeat)]
             # a fresh call on cleared buffers: a collective that writes nothing must show as wrong
             out.fill_(-7)
             _fill(op, inp, n, me)  # after the clear: in-place inputs are views of the output
             _call(op, inp, out, group)
             wrong = int((out != _expected(op, out, n, me)).sum().item())
             row = {"op": op, "count": count, "size_bytes": count * inp.element_size(), "dtype": dtype_name,
-                   "rank": me_global, "seconds": seconds, "wrong": wrong,
+                   "rank": me_global, "seconds": sorted(samples)[len(samples) // 2], "samples": samples,
+                   "wrong": wrong,
                    "clock": "cuda_event" if cuda else "wall"}
             rows.append(row)
             if publish and me == 0:

@@ -23,6 +23,13 @@ measured +5.8% step time on ZeRO-3 (63 async all-gathers per step), against
 Gloo's send/recv works have no future and complete only when waited, so
 those are timed from issue until the caller's ``wait()`` returns.
 
+Exposed time (how long the training thread was blocked on communication): a
+blocking collective for all of its call; an async one while the thread sat in
+``Work.wait()`` on it (CommWait records; ``_time_waits`` times torch's Work
+class). A future waited inside C++ (DDP's reducer, on its comm hook's
+futures) is never seen waiting, so run_analysis leaves such steps' exposed
+time unmeasured rather than calling it zero.
+
 A sampler thread records memory every ``interval`` seconds and, when a live
 dashboard is shown (``publish``), sends new records to the kernel
 (ipyparallel data messages); the complete list is returned by ``stop()``, so
@@ -38,7 +45,7 @@ import torch
 
 from .. import protocol
 from ..collectives import bandwidths, bus_factor
-from ..metrics import CommRecord, MemorySample, ScalarRecord, StepMarker
+from ..metrics import CommRecord, CommWait, MemorySample, ScalarRecord, StepMarker
 from .bootstrap import rank_device, rss
 from .collective_calls import complete, describe_call, is_async
 
@@ -61,6 +68,7 @@ class Recorder:
         self._pending_events: list = []
         self._async: queue.SimpleQueue = queue.SimpleQueue()  # (future, record fields, t0) of async calls
         self._completer: threading.Thread | None = None
+        self._works: dict = {}  # id(Work) -> seq of async collectives not waited for yet
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -69,6 +77,7 @@ class Recorder:
         if not watchdog.installed():  # outside a bootstrapped engine
             watchdog.install(self.rank)
         watchdog.observe(self._call)
+        _time_waits(self)
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
         self._sample("interval")
         self._thread = threading.Thread(target=self._run, name="nbtool-recorder", daemon=True)
@@ -81,6 +90,8 @@ class Recorder:
         from . import watchdog
 
         watchdog.observe(None)
+        _time_waits(None)
+        self._works.clear()
         self._stop.set()
         self._async.put(None)
         for thread in (self._thread, self._completer):
@@ -165,10 +176,13 @@ class Recorder:
             with self._lock:
                 self._pending_events.append((base, start_ev, end_ev))
         elif asynchronous and result is not None and hasattr(result, "get_future"):
+            base["asynchronous"] = True
             try:
                 fut = result.get_future()
             except RuntimeError:  # gloo send/recv: no future, and done only once waited
-                return _TimedWork(result, lambda: self._done(base, time.perf_counter() - t0, "wall"))
+                return _TimedWork(result, lambda: self._done(base, time.perf_counter() - t0, "wall"),
+                                  lambda t, s: self._add(CommWait(self.rank, seq, t, s)))
+            self._works[id(result)] = seq
             # timed by the completer thread, not a callback on the backend's worker
             # thread: such a callback waits there for the GIL and delays the next collectives
             self._async.put((fut, base, t0))
@@ -212,12 +226,14 @@ class _TimedWork:
     """A Work without a future (gloo send/recv, which complete only when waited): timed from
     issue until its ``wait()`` returns; everything else goes to the real Work."""
 
-    def __init__(self, work, on_done):
-        self._work, self._on_done = work, on_done
+    def __init__(self, work, on_done, on_wait):
+        self._work, self._on_done, self._on_wait = work, on_done, on_wait
 
     def wait(self, *args, **kwargs):
+        t, t0 = time.time(), time.perf_counter()
         out = self._work.wait(*args, **kwargs)
         if self._on_done is not None:
+            self._on_wait(t, time.perf_counter() - t0)
             self._on_done()
             self._on_done = None
         return out
@@ -226,4 +242,32 @@ class _TimedWork:
         return getattr(self._work, name)
 
 
+_ACTIVE: Recorder | None = None  # the recorder whose async collectives Work.wait() reports
+_ORIGINAL_WAIT = None
 
+
+def _time_waits(recorder: Recorder | None) -> None:
+    """Time ``Work.wait()`` on the async collectives ``recorder`` saw (CommWait records): how long
+    the training thread was blocked on each, the exposed part. Installed once per process on
+    torch's Work class (DeepSpeed and FSDP call wait() on the Work itself, so a proxy would not
+    see them); a wait on any other Work costs one dict lookup."""
+    global _ACTIVE, _ORIGINAL_WAIT
+    _ACTIVE = recorder
+    if recorder is None or _ORIGINAL_WAIT is not None:
+        return
+    from torch._C._distributed_c10d import Work
+
+    original = _ORIGINAL_WAIT = Work.wait
+
+    def wait(self, *args, **kwargs):
+        rec = _ACTIVE
+        seq = rec._works.pop(id(self), None) if rec is not None else None
+        if seq is None:
+            return original(self, *args, **kwargs)
+        t, t0 = time.time(), time.perf_counter()
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            rec._add(CommWait(rec.rank, seq, t, time.perf_counter() - t0))
+
+    Work.wait = wait
