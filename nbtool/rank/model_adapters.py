@@ -83,8 +83,10 @@ SUPPORTED_STAGES = (
     "nbtool cuts three shapes into stages: blocks in a top-level ModuleList with a forward that skips "
     "parts set to None; Hugging Face Llama-style decoders (model.embed_tokens, model.layers, model.norm, "
     "lm_head: Llama, Qwen2, Mistral); GPT-2 names (transformer.wte, wpe, h, ln_f and lm_head: GPT-2, "
-    "nanoGPT). For another model, give each stage yourself: build the stage's part of the model as an "
-    "nn.Module taking the previous stage's output, and train it with torch.distributed.pipelining")
+    "nanoGPT). To split another model by hand, give it the first shape: its blocks in a top-level "
+    "nn.ModuleList (self.blocks = nn.ModuleList(...)) and a forward that skips the parts nbtool sets to None "
+    "on the stages that do not hold them (if self.embed is not None: x = self.embed(x); ...), as "
+    "nbtool.rank.example_models.TinyTransformer does")
 
 
 @dataclass

@@ -78,6 +78,18 @@ def _distribute(module, mesh, placements: dict, src_data_rank, permutation: QKVP
         module.register_parameter(name, dist_param)
 
 
+def _apply_conv1d(style, m, mesh):
+    """What torch's Colwise/RowwiseParallel._apply do for nn.Linear, for a Conv1D (torch refuses any
+    class but nn.Linear and nn.Embedding); ``style._partition_linear_fn`` knows Conv1D's layout."""
+    from functools import partial
+
+    from torch.distributed.tensor import distribute_module
+
+    return distribute_module(m, mesh, style._partition_linear_fn,
+                             partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+                             partial(style._prepare_output_fn, style.output_layouts, style.use_local_output))
+
+
 def colwise(permutation: QKVPermutation | None = None, **kwargs):
     """ColwiseParallel that also shards Conv1D (and, with ``permutation``, a fused q/k/v projection)."""
     from torch.distributed.tensor import Shard
@@ -89,17 +101,7 @@ def colwise(permutation: QKVPermutation | None = None, **kwargs):
             _distribute(m, mesh, {"weight": Shard(out_dim), "bias": Shard(0)}, self.src_data_rank, permutation)
 
         def _apply(self, m, mesh):
-            if is_conv1d(m):  # torch refuses any class but nn.Linear / nn.Embedding
-                from functools import partial
-
-                from torch.distributed.tensor import distribute_module
-
-                return distribute_module(m, mesh, self._partition_linear_fn,
-                                         partial(self._prepare_input_fn, self.input_layouts,
-                                                 self.desired_input_layouts),
-                                         partial(self._prepare_output_fn, self.output_layouts,
-                                                 self.use_local_output))
-            return super()._apply(m, mesh)
+            return _apply_conv1d(self, m, mesh) if is_conv1d(m) else super()._apply(m, mesh)
 
     style = ColwiseParallel(**kwargs)
     style.permutation = permutation
@@ -118,16 +120,8 @@ def rowwise(**kwargs):
 
         def _apply(self, m, mesh):
             if is_conv1d(m):
-                from functools import partial
-
-                from torch.distributed.tensor import distribute_module
-
                 self.desired_input_layouts = (Shard(-1),)  # as torch's nn.Linear case: x sharded on its last dim
-                return distribute_module(m, mesh, self._partition_linear_fn,
-                                         partial(self._prepare_input_fn, self.input_layouts,
-                                                 self.desired_input_layouts),
-                                         partial(self._prepare_output_fn, self.output_layouts,
-                                                 self.use_local_output))
+                return _apply_conv1d(self, m, mesh)
             return super()._apply(m, mesh)
 
     return RowwiseParallel(**kwargs)

@@ -1,0 +1,222 @@
+"""The GPU check: one prepared script that runs nbtool's CUDA/NCCL paths in one call.
+
+    python benchmarks/gpu_check.py            # on a GPU machine: at most ~8 minutes
+    python benchmarks/gpu_check.py --short    # the CPU subset the test suite runs
+
+On a machine with GPUs the ranks are one per GPU on nccl (with one GPU: a
+1-rank nccl cluster, plus a 2-rank gloo cluster whose ranks share that GPU for
+the paths that take CUDA tensors; a multi-rank NCCL collective is then listed
+as not covered). On a CPU-only machine it runs the subset that applies on gloo
+and lists what it skipped. Checks:
+
+- cluster start (backend, ranks, seconds);
+- every strategy for a few steps (bf16 on GPUs, fp32 on CPU; ddp, fsdp --wrap
+  Block, zero1, zero2, zero3, zero3 --offload both, tp and pp where the rank
+  count allows): the loss is finite, fp32 data-parallel losses are equal, and
+  the ledger equals nbtool.plan.expected_ledger (on GPUs the CUDA allocator's
+  allocated / reserved / peak are printed next to it);
+- collective timing: the clock of blocking calls (cuda_event on GPUs, wall on
+  CPU) and of async ones;
+- ``%commbench all_reduce``: busbw per size, every result element checked;
+- the hang watchdog: a collective rank 1 never joins is reported, and the
+  cluster runs the next cell;
+- NVML: GPU model and memory as the driver reports them (GPU only).
+
+Prints one line per check (PASS / FAIL / SKIP with figures or the reason),
+then ``gpu_check=<passed>/<total>`` (skipped checks are not counted).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+
+from _shell import shell
+
+TRAIN = """%%distributed {line} --quiet --no-watch
+from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
+torch.manual_seed(0)
+model = TinyTransformer(vocab=128, dim=64, heads=4, layers=2, seq=16)
+optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss)
+data = SyntheticTokens(samples=64, seq=16, vocab=128)
+_losses = []
+for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=4, shuffle=False)):
+    loss = strategy.forward_backward(x, y)
+    optimizer.step(); optimizer.zero_grad()
+    mean = loss.detach().float().clone(); dist.all_reduce(mean); _losses.append(mean.item() / world_size)
+    if i == {steps} - 1:
+        break
+_ledger = strategy.memory_ledger()
+_cuda = None
+if torch.cuda.is_available():
+    _cuda = (torch.cuda.memory_allocated(), torch.cuda.memory_reserved(), torch.cuda.max_memory_allocated())
+"""
+
+HANG = """%%distributed --collective-timeout 3 --timeout 8
+if rank == 0:
+    dist.all_reduce(torch.ones(4, device=device))   # rank 1 never joins this one
+else:
+    import time
+    for _ in range(400):
+        time.sleep(0.05)
+"""
+
+
+class Checks:
+    def __init__(self):
+        self.rows: list[tuple[str, str, str]] = []
+
+    def run(self, name: str, fn) -> None:
+        t0 = time.perf_counter()
+        try:
+            status, text = fn()
+        except Exception as e:  # a check that breaks is a failed check, and the next one still runs
+            status, text = "FAIL", f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]
+        self.rows.append((status, name, f"{text} ({time.perf_counter() - t0:.1f} s)"))
+        print(f"{status:4}  {name}: {self.rows[-1][2]}", flush=True)
+
+    def skip(self, name: str, why: str) -> None:
+        self.rows.append(("SKIP", name, why))
+        print(f"SKIP  {name}: {why}", flush=True)
+
+    def summary(self) -> str:
+        counted = [r for r in self.rows if r[0] != "SKIP"]
+        return f"gpu_check={sum(r[0] == 'PASS' for r in counted)}/{len(counted)}"
+
+
+def strategies_for(n: int, short: bool) -> list[str]:
+    lines = ["ddp", "fsdp --wrap Block", "zero3"] if short else \
+        ["ddp", "fsdp --wrap Block", "zero1", "zero2", "zero3", "zero3 --offload both"]
+    if n >= 2:
+        lines += ["tp", "pp"]
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true", help="the quick subset (the test suite's CPU mode)")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ip = shell()
+    checks = Checks()
+    print(f"# gpu_check: torch {torch.__version__}, {gpus} GPU(s)"
+          + (f" ({torch.cuda.get_device_name(0)})" if gpus else " (CPU-only: the gloo subset)"), flush=True)
+
+    n = gpus if gpus >= 2 else 2
+    backend = "nccl" if gpus >= 2 else "gloo"
+    if gpus == 1:
+        def one_rank_nccl():
+            ip.run_line_magic("cluster", "start -n 1 --backend nccl")
+            ip.run_cell("%%distributed\nx = torch.ones(4, device=device); dist.all_reduce(x); _v = x.sum().item()"
+                        ).raise_error()
+            ip.run_line_magic("dist_pull", "_v --rank 0")
+            ip.run_line_magic("cluster", "stop")
+            return ("PASS" if ip.user_ns["_v"] == 4.0 else "FAIL"), "1-rank nccl cluster, all_reduce on cuda:0"
+        checks.run("nccl, one rank", one_rank_nccl)
+        checks.skip("multi-rank NCCL collective", "one GPU: a 2-rank NCCL group needs two devices")
+    elif not gpus:
+        checks.skip("nccl", "no GPU: the nccl backend, CUDA placement and CUDA events need one")
+
+    def start():
+        t0 = time.perf_counter()
+        ip.run_line_magic("cluster", f"start -n {n} --backend {backend}")
+        return "PASS", f"{n} rank(s), {backend}, ready in {time.perf_counter() - t0:.1f} s"
+    checks.run("cluster start", start)
+
+    from nbtool.plan import expected_ledger
+    from nbtool.rank.example_models import TinyTransformer
+
+    numels = [p.numel() for p in TinyTransformer(vocab=128, dim=64, heads=4, layers=2, seq=16).parameters()]
+    precision = "bf16" if gpus else "fp32"
+    reference = {}
+    for line in strategies_for(n, a.short):
+        full = line if line in ("tp", "pp") or not gpus else f"{line} --precision bf16"
+
+        def train(line=line, full=full):
+            ip.run_cell(TRAIN.format(line=full, steps=a.steps)).raise_error()
+            ip.run_line_magic("dist_pull", "_losses _ledger _cuda --rank 0")
+            losses, ledger, cuda = ip.user_ns["_losses"], ip.user_ns["_ledger"], ip.user_ns["_cuda"]
+            if not all(math.isfinite(x) for x in losses):
+                return "FAIL", f"losses {losses}"
+            word = line.split()[0]
+            parts = [f"losses {', '.join(f'{x:.4f}' for x in losses)}"]
+            ok = True
+            if word in ("ddp", "fsdp", "zero1", "zero2", "zero3") and "offload" not in line:
+                p = precision if word != "fsdp" or gpus else "fp32"
+                want = expected_ledger(word, p, numels, n)
+                got = {k: getattr(ledger, k) for k in want}
+                ok &= got == want
+                parts.append(f"ledger {'= expected' if got == want else f'{got} != expected {want}'}")
+                if precision == "fp32":
+                    ref = reference.setdefault("dp", losses)
+                    same = all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, ref))
+                    ok &= same
+                    parts.append("losses = ddp's" if same else f"losses differ from ddp's {ref}")
+            if cuda is not None:
+                parts.append("CUDA allocated/reserved/peak " + "/".join(f"{b / 2**20:.1f}" for b in cuda) + " MiB")
+            return ("PASS" if ok else "FAIL"), "; ".join(parts)
+        checks.run(f"{full} ({precision})", train)
+
+    def timing():
+        import nbtool
+
+        run = nbtool.last_run()
+        blocking = {c.clock for c in run.comms if not c.asynchronous}
+        asynchronous = {c.clock for c in run.comms if c.asynchronous}
+        want = "cuda_event" if gpus else "wall"
+        ok = blocking == {want} if blocking else False
+        note = f"blocking calls timed by {sorted(blocking)}, async ones by {sorted(asynchronous) or 'none issued'}"
+        if gpus and asynchronous and asynchronous != {"cuda_event"}:
+            note += " (async device time is not recorded yet: host wall clock)"
+            ok = False
+        return ("PASS" if ok else "FAIL"), note
+    checks.run("collective timing clock", timing)
+
+    def commbench():
+        res = ip.run_line_magic("commbench", "all_reduce --sizes 64KB:4MB --factor 8 --iters 5 --warmup 2 --repeat 3")
+        sizes = ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw'] / 1e9:.2f} GB/s" for r in res.rows)
+        return ("PASS" if res.wrong == 0 else "FAIL"), f"busbw {sizes}; {res.wrong} wrong"
+    checks.run("%commbench all_reduce", commbench)
+
+    def hang():
+        import nbtool
+
+        res = ip.run_cell(HANG)
+        report = nbtool.current_cluster().last_hang
+        text = report.text() if report is not None else ""
+        ip.run_line_magic("cluster", "restart")  # the group was closed to release rank 0
+        ip.run_cell("%%distributed\nx = torch.ones(4, device=device); dist.all_reduce(x); _v = x.sum().item()"
+                    ).raise_error()
+        ip.run_line_magic("dist_pull", "_v --rank 0")
+        ok = (not res.success) and report is not None and "never reached collective" in text \
+            and ip.user_ns["_v"] == 4.0 * n
+        return ("PASS" if ok else "FAIL"), (f"reported: {report.summary().replace(chr(10), '; ')}; after %cluster restart an all_reduce "
+                                            f"gives {ip.user_ns['_v']:g}" if report is not None
+                                            else f"no hang report; cell error {res.error_in_exec}")
+    checks.run("hang watchdog", hang)
+
+    if gpus:
+        def nvml():
+            import pynvml
+
+            pynvml.nvmlInit()
+            h = pynvml.nvmlDeviceGetHandleByIndex(0)
+            name = pynvml.nvmlDeviceGetName(h)
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            return "PASS", f"{name}, {mem.total / 2**30:.1f} GiB, {mem.used / 2**30:.2f} GiB used"
+        checks.run("NVML", nvml)
+    else:
+        checks.skip("NVML", "no GPU (nvidia-ml-py talks to the driver)")
+
+    ip.run_line_magic("cluster", "stop")
+    print(checks.summary())
+    sys.exit(0 if all(r[0] != "FAIL" for r in checks.rows) else 1)
+
+
+if __name__ == "__main__":
+    main()
