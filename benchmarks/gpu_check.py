@@ -202,13 +202,14 @@ def main() -> None:
 
     if gpus:
         def nvml():
-            import pynvml
+            from nbtool.nvml import detect, link_summary, topology_text
 
-            pynvml.nvmlInit()
-            h = pynvml.nvmlDeviceGetHandleByIndex(0)
-            name = pynvml.nvmlDeviceGetName(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-            return "PASS", f"{name}, {mem.total / 2**30:.1f} GiB, {mem.used / 2**30:.2f} GiB used"
+            topology = detect()
+            if topology is None:
+                return "FAIL", "no NVML answers: pip install nvidia-ml-py (pip install -e '.[gpu]')"
+            links = link_summary(topology)
+            return "PASS", (f"{topology_text(topology).replace(chr(10), ' | ')}; planner link: "
+                            f"{links.get('label', 'unknown')} ~{links.get('bus_bandwidth', 0) / 1e9:.0f} GB/s busbw")
         checks.run("NVML", nvml)
     else:
         checks.skip("NVML", "no GPU (nvidia-ml-py talks to the driver)")

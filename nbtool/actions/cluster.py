@@ -25,6 +25,13 @@ def status(cluster: RankCluster):
         "rss = resident set size of the engine process (OS figure)"
     )
     rows = cluster.status()
+    if layout.gpus and not cluster.group_closed and not cluster.lost_ranks():
+        from ..rank.bootstrap import hardware_facts
+        from ..nvml import topology_text
+
+        topology = cluster.view([0]).apply_sync(hardware_facts)[0].get("nvml")
+        header += "\n" + (topology_text(topology) if topology else
+                          "GPU links: unknown (pip install nvidia-ml-py on the ranks to read them from NVML)")
     lost = cluster.lost_ranks()
     if lost or cluster.group_closed:
         header += (f"\nprocess group unusable ({cluster.group_closed or 'engines lost'}"

@@ -7,8 +7,10 @@ from .inputs import GB, HARDWARE_PRESETS, Hardware
 def hardware_from_facts(facts: dict, world_size: int, backend: str) -> Hardware:
     """CPU ranks: the gloo preset with this host's RAM split between ranks; GPUs: their memory.
 
-    Link bandwidth is not detected (NVLink and PCIe P2P look alike from torch):
-    GPU clusters start from a PCIe default; ``%commbench`` replaces it with a
+    GPU links: from NVML when the ranks have nvidia-ml-py (NVLink links and
+    version, or the PCIe generation and width, turned into a bus bandwidth by
+    nbtool.nvml.link_summary); without it NVLink and PCIe P2P look alike
+    from torch, so a PCIe default. ``%commbench`` replaces either with a
     measurement (``Hardware.with_commbench``).
     """
     if backend != "nccl" or not facts.get("gpus"):
@@ -18,6 +20,12 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str) -> Hardware:
                         base.intra_latency, base.inter_latency, link=base.link, peak_flops=base.peak_flops,
                         host_link_bw=base.host_link_bw)
     gpu = facts["gpus"][0]
+    from ..nvml import link_summary
+
+    links = link_summary(facts.get("nvml") or {})
+    if links:
+        return Hardware(f"{world_size}x {gpu['name']} (this machine)", 1, world_size, gpu["memory"],
+                        facts["host_memory"], links["bus_bandwidth"], 10 * GB, link=links["label"])
     return Hardware(f"{world_size}x {gpu['name']} (this machine)", 1, world_size, gpu["memory"], facts["host_memory"],
                     20 * GB, 10 * GB,
                     link="peer access (NVLink or PCIe P2P)" if facts.get("peer_access") else "PCIe (assumed)")

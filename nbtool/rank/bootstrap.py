@@ -265,7 +265,8 @@ def _unlink(path: str) -> None:
 
 
 def hardware_facts() -> dict:
-    """What this rank's machine has, for the planner: devices, their memory, host RAM."""
+    """What this rank's machine has, for the planner: devices, their memory, host RAM, and on GPU
+    machines with nvidia-ml-py their NVLink / PCIe topology (nbtool.nvml)."""
     import psutil
     import torch
 
@@ -276,4 +277,7 @@ def hardware_facts() -> dict:
             facts["gpus"].append({"name": p.name, "memory": p.total_memory})
         if torch.cuda.device_count() > 1:
             facts["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
+        from ..nvml import detect
+
+        facts["nvml"] = detect()  # links and PCIe from the driver, with nvidia-ml-py; else None
     return facts
