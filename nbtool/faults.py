@@ -79,6 +79,8 @@ class HangReport:
     issued: dict = field(default_factory=dict)  # rank -> collectives it had issued (ranks not blocked)
     timeout_s: float = 0.0
     reported_at: float = 0.0  # time.time() when it was shown
+    flight: dict = field(default_factory=dict)  # rank -> NCCL flight recorder entries (nccl ranks only)
+    world_size: int = 0
 
     def summary(self) -> str:
         """The report without times and file paths: who is where, in collective sequence numbers."""
@@ -104,6 +106,12 @@ class HangReport:
         if behind:
             lines.append(f"  {label_ranks(sorted(behind))} never reached collective #{first['seq']}: "
                          "the ranks disagree on the order of collectives")
+        from .flight_recorder import merge
+
+        recorded = merge(self.flight, self.world_size or len(self.blocked) + len(self.others))
+        if recorded:
+            lines.append("  NCCL flight recorder (collectives not completed everywhere, newest last):")
+            lines.extend("    " + ln for ln in recorded)
         lines.append("  way out: interrupt (Ctrl-C / the stop button) stops the ranks; ranks blocked in the "
                      "collective are released by closing the process group (then %cluster restart), "
                      "or wait if a rank is only slow")
@@ -153,7 +161,11 @@ class HangWatch:
     def _report(self, running: list[int]) -> HangReport:
         from .rank import watchdog
 
-        rep = HangReport(blocked=dict(self.reports), timeout_s=self.cluster.collective_timeout)
+        rep = HangReport(blocked=dict(self.reports), timeout_s=self.cluster.collective_timeout,
+                         world_size=self.cluster.world_size)
+        for rank, value in list(self.reports.items()) + list(self.stacks.items()):
+            if value.get("flight") is not None:
+                rep.flight[rank] = value["flight"]
         in_cell = {r for r, _ in self.children}
         done = {r for r, f in self.children if f.done()}
         lost = set(self.cluster.lost_ranks())

@@ -78,6 +78,9 @@ def init_rank(
         )
         if backend == "nccl":
             kwargs["device_id"] = device
+            from ..flight_recorder import enable
+
+            enable(os.environ)  # hang reports read each rank's NCCL flight recorder
         dist.init_process_group(**kwargs)
 
     import faulthandler

@@ -177,8 +177,10 @@ def _check() -> None:
                 continue
         if now - entry.t0 > _state["timeout_s"] and seq not in _reported:
             _reported.add(seq)
+            from ..flight_recorder import read
+
             report = {**_describe(seq, entry, now), "rank": _state["rank"], "issued": _state["issued"],
-                      "timeout_s": _state["timeout_s"], "stack": main_stack()}
+                      "timeout_s": _state["timeout_s"], "stack": main_stack(), "flight": read()}
             _publish(protocol.hang_key(_state["rank"], seq), report)
 
 
@@ -187,6 +189,8 @@ def _on_stack_request(signum, frame) -> None:
     stack = traceback.format_list([f for f in traceback.extract_stack(frame)
                                    if os.path.dirname(f.filename) != _HERE])
     now = time.monotonic()
+    from ..flight_recorder import read
+
     _publish(protocol.stack_key(_state["rank"]),
-             {"rank": _state["rank"], "issued": _state["issued"], "stack": stack,
+             {"rank": _state["rank"], "issued": _state["issued"], "stack": stack, "flight": read(),
               "inflight": [_describe(s, e, now) for s, e in sorted(list(_inflight.items()))]})
