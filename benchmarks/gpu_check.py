@@ -173,7 +173,7 @@ def main() -> None:
         ok = blocking == {want} if blocking else False
         note = f"blocking calls timed by {sorted(blocking)}, async ones by {sorted(asynchronous) or 'none issued'}"
         if gpus and asynchronous and asynchronous != {"cuda_event"}:
-            note += " (async device time is not recorded yet: host wall clock)"
+            note += " (async ones should be NCCL's device time: is TORCH_NCCL_ENABLE_TIMING=1 on the ranks?)"
             ok = False
         return ("PASS" if ok else "FAIL"), note
     checks.run("collective timing clock", timing)

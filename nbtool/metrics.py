@@ -83,7 +83,8 @@ class CommRecord:
     ``seconds`` was measured: "wall" (issue to completion on the host clock:
     the call's return for blocking ops, the work's future for async ones,
     the caller's wait() for gloo send/recv, which have no future) or
-    "cuda_event" (device time between CUDA events on the issuing stream).
+    "cuda_event" (device time: CUDA events on the issuing stream for blocking
+    ops, NCCL's own events around its kernel for async ones).
     ``asynchronous``: issued with ``async_op=True`` (or isend/irecv), so the
     caller ran on while it was in flight; how long it then waited for it is in
     CommWait records.

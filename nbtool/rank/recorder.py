@@ -13,8 +13,11 @@ collective.) Only the outermost call is recorded, so deprecated wrappers that
 call their replacements count once.
 
 Times: a blocking collective is timed around the call (CUDA events on GPUs).
-An async one (``async_op=True``, isend/irecv) is timed from issue until a
-completer thread, waiting on the work's future in issue order with the GIL
+An async one on nccl is timed by the CUDA events NCCL records around its
+kernel (``Work._get_duration()``, with the flight recorder's timing on: device
+time, read by the completer thread once the work is done, so the training
+thread never synchronises); elsewhere (gloo) an async one is timed from issue
+until a completer thread, waiting on the work's future in issue order with the GIL
 released, sees it done ("wall" clock; at most a GIL hand-off late). A
 callback on the future would run on the backend's worker thread and hold it
 until the training thread yields the GIL, delaying the next collectives:
@@ -114,12 +117,16 @@ class Recorder:
             item = self._async.get()
             if item is None:
                 return
-            fut, base, t0 = item
+            fut, base, t0, work = item
             try:
                 fut.wait()
             except Exception:  # a failed collective: the cell's error reports it
                 continue
-            self._done(base, time.perf_counter() - t0, "wall")
+            device_s = _device_seconds(work)
+            if device_s is not None:
+                self._done(base, device_s, "cuda_event")
+            else:
+                self._done(base, time.perf_counter() - t0, "wall")
 
     def _publish(self) -> None:
         if not self.publish:
@@ -185,7 +192,7 @@ class Recorder:
             self._works[id(result)] = seq
             # timed by the completer thread, not a callback on the backend's worker
             # thread: such a callback waits there for the GIL and delays the next collectives
-            self._async.put((fut, base, t0))
+            self._async.put((fut, base, t0, result if self._cuda else None))
         else:
             self._done(base, time.perf_counter() - t0, "wall")
         return result
@@ -240,6 +247,18 @@ class _TimedWork:
 
     def __getattr__(self, name):
         return getattr(self._work, name)
+
+
+def _device_seconds(work) -> float | None:
+    """An NCCL work's device time (CUDA events NCCL records around the kernel on its own stream when
+    TORCH_NCCL_ENABLE_TIMING=1, as bootstrap sets on nccl ranks), or None (gloo, or timing off)."""
+    if work is None:
+        return None
+    try:
+        ms = work._get_duration()
+    except Exception:
+        return None
+    return ms / 1e3 if ms and ms > 0 else None
 
 
 _ACTIVE: Recorder | None = None  # the recorder whose async collectives Work.wait() reports
