@@ -128,6 +128,10 @@ class MemorySample:
       mark (OS figures: include libraries, allocator caches, buffers)
     - cuda_allocated / cuda_reserved / cuda_peak: the CUDA caching
       allocator's counters (None on CPU ranks)
+    - driver_used: the bytes the driver (NVML) attributes to this process on
+      its GPU; minus cuda_reserved it is the memory outside PyTorch's
+      allocator (CUDA context, NCCL buffers, other libraries). None without
+      nvidia-ml-py or a GPU
     - ledger: bytes of model state the rank owns by category (MemoryLedger
       fields), only in samples taken at optimizer steps
     """
@@ -141,6 +145,7 @@ class MemorySample:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
+    driver_used: int | None = None
     ledger: dict | None = None
     schema: int = SCHEMA_VERSION
 

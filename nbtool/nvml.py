@@ -113,6 +113,40 @@ def topology_text(topology: dict) -> str:
     return "\n".join(lines)
 
 
+class ProcessMemory:
+    """The bytes the driver attributes to one process on one GPU (NVML's per-process figure),
+    for the recorder's sampler: the handle is looked up once, by the GPU's PCI bus id (CUDA's and
+    NVML's device orders can differ)."""
+
+    def __init__(self, nvml, pci_bus_id: str, pid: int):
+        self.nvml, self.pid = nvml, pid
+        nvml.nvmlInit()
+        self.handle = nvml.nvmlDeviceGetHandleByPciBusId(pci_bus_id)
+
+    def used(self) -> int | None:
+        try:
+            procs = self.nvml.nvmlDeviceGetComputeRunningProcesses(self.handle)
+        except Exception:
+            return None
+        mine = [p.usedGpuMemory for p in procs if p.pid == self.pid and p.usedGpuMemory is not None]
+        return int(sum(mine)) if mine else None
+
+    @classmethod
+    def for_device(cls, device) -> "ProcessMemory | None":
+        """This process on torch ``device``, or None (no nvidia-ml-py, no driver, no bus id)."""
+        import os
+
+        try:
+            import pynvml
+            import torch
+
+            p = torch.cuda.get_device_properties(device)
+            bus = f"{p.pci_domain_id:08x}:{p.pci_bus_id:02x}:{p.pci_device_id:02x}.0"
+            return cls(pynvml, bus, os.getpid())
+        except Exception:
+            return None
+
+
 def detect() -> dict | None:
     """The topology of this machine's GPUs, or None without nvidia-ml-py or a driver."""
     try:

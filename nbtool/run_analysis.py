@@ -153,3 +153,13 @@ def bubble_table(run: RunRecords) -> list[dict]:
                      "step_s": window, "compute_s": compute_s, "idle_s": idle,
                      "bubble": idle / window if window else 0.0, "theory": recs[0].bubble_theory})
     return rows
+
+
+def outside_allocator(samples) -> dict[int, int]:
+    """{rank: driver bytes minus the allocator's reserved bytes} from each rank's latest sample that
+    has both (the memory PyTorch's allocator does not see)."""
+    out = {}
+    for s in samples:
+        if s.driver_used is not None and s.cuda_reserved is not None:
+            out[s.rank] = s.driver_used - s.cuda_reserved
+    return out

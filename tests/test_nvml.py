@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from nbtool.nvml import link_summary, read, topology_text
+from nbtool.metrics import MemorySample, RunRecords
+from nbtool.nvml import ProcessMemory, link_summary, read, topology_text
 from nbtool.plan.detect import hardware_from_facts
 
 GiB = 2**30
@@ -78,6 +79,12 @@ class RecordedNVML:
     def nvmlDeviceGetNvLinkRemotePciInfo(self, h, link):
         return SimpleNamespace(busId=self._link(h, link)[1])
 
+    def nvmlDeviceGetHandleByPciBusId(self, bus):
+        return next(i for i, g in enumerate(self.gpus) if g["bus"].lower().endswith(bus.lower()[-12:]))
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        return [SimpleNamespace(pid=pid, usedGpuMemory=used) for pid, used in self.gpus[h].get("procs", [])]
+
 
 def h100_node():
     switch = "00000000:A5:00.0"  # an NVSwitch's bus id: not one of the GPUs
@@ -137,3 +144,23 @@ def test_the_planner_uses_the_links_nvml_reports():
     assert hw.link == "NVLink4 x18 via NVSwitch (NVML)" and hw.intra_bw == pytest.approx(351e9)
     without = hardware_from_facts({**facts, "nvml": None}, 8, "nccl")
     assert without.link == "peer access (NVLink or PCIe P2P)" and without.intra_bw == 20e9
+
+
+def test_memory_outside_the_allocator_per_rank():
+    """NVML's per-process figure on the rank's own GPU (found by PCI bus id), minus the allocator's
+    reserved bytes: what the dashboard's status line shows as outside PyTorch."""
+    from nbtool.widgets import Dashboard
+
+    gpus = h100_node()
+    gpus[3]["procs"] = [(4242, 30 * GiB), (999, 5 * GiB)]  # this rank, and another process on the same GPU
+    mem = ProcessMemory(RecordedNVML(gpus), "00000000:48:00.0", 4242)
+    assert mem.handle == 3 and mem.used() == 30 * GiB
+    assert ProcessMemory(RecordedNVML(gpus), "00000000:48:00.0", 1).used() is None  # not on that GPU
+    run = RunRecords("gpu", "fsdp", 2, t_start=0.0)
+    run.add([MemorySample(r, 1.0, 0, "interval", GiB, cuda_reserved=28 * GiB, driver_used=30 * GiB + r * GiB)
+             for r in range(2)])
+    text = Dashboard.status_text(run)
+    assert "outside PyTorch's allocator (driver minus reserved): rank 0 2.00 GiB, rank 1 3.00 GiB" in text
+    cpu = RunRecords("cpu", "ddp", 2, t_start=0.0)
+    cpu.add([MemorySample(0, 1.0, 0, "interval", GiB)])
+    assert "outside PyTorch" not in Dashboard.status_text(cpu)

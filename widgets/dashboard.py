@@ -20,7 +20,7 @@ from plotly.subplots import make_subplots
 
 from nbtool import run_analysis
 from nbtool.collectives import OPS
-from nbtool.metrics import LEDGER_CATEGORIES, RunRecords
+from nbtool.metrics import LEDGER_CATEGORIES, RunRecords, format_bytes
 
 from .style import COLORS, bytes_ticks
 
@@ -186,6 +186,10 @@ class Dashboard:
         clocks = sorted({c.clock for c in run.comms})
         if clocks:
             parts.append(f"latency clock: {', '.join(clocks)}")
+        outside = run_analysis.outside_allocator(run.memory)
+        if outside:
+            parts.append("outside PyTorch's allocator (driver minus reserved): " + ", ".join(
+                f"rank {r} {format_bytes(b)}" for r, b in sorted(outside.items())))
         return " · ".join(parts)
 
     def static(self, run: RunRecords | None = None) -> go.Figure:

@@ -72,6 +72,7 @@ class Recorder:
         self._async: queue.SimpleQueue = queue.SimpleQueue()  # (future, record fields, t0) of async calls
         self._completer: threading.Thread | None = None
         self._works: dict = {}  # id(Work) -> seq of async collectives not waited for yet
+        self._driver = None  # nbtool.nvml.ProcessMemory on GPU ranks with nvidia-ml-py; False: none
 
     # -- lifecycle -----------------------------------------------------------
     def start(self) -> None:
@@ -223,6 +224,12 @@ class Recorder:
             sample.cuda_allocated = torch.cuda.memory_allocated(self._device)
             sample.cuda_reserved = torch.cuda.memory_reserved(self._device)
             sample.cuda_peak = torch.cuda.max_memory_allocated(self._device)
+            if self._driver is None:
+                from ..nvml import ProcessMemory
+
+                self._driver = ProcessMemory.for_device(self._device) or False
+            if self._driver:
+                sample.driver_used = self._driver.used()
         if ledger is not None:
             sample.ledger = {k: v for k, v in ledger.as_dict().items()
                              if k in ("params", "grads", "master_params", "optimizer_state", "other", "offloaded")}
