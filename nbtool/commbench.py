@@ -116,7 +116,7 @@ class CommbenchResult:
         for (op, count), rs in sorted(by_key.items(), key=lambda kv: (BENCH_OPS.index(kv[0][0]), kv[0][1])):
             times = sorted(r["seconds"] for r in rs)  # each rank's median
             # per repetition the slowest rank, as nccl-tests reports; then the median over repetitions
-            reps = sorted(max(vals) for vals in zip(*(r.get("samples", [r["seconds"]]) for r in rs)))
+            reps = sorted(max(vals) for vals in zip(*(r["samples"] for r in rs)))
             t = reps[len(reps) // 2]
             alg, bus = bandwidths(op, rs[0]["size_bytes"], n, t)
             res.rows.append({"op": op, "size_bytes": rs[0]["size_bytes"], "count": count, "dtype": res.dtype,

@@ -71,13 +71,11 @@ def model_shape(text: str, user_ns: dict, seq: int | None = None):
 
 
 def _shape_of(obj, label: str, seq):
+    from torch import nn
+
     from ..plan.inputs import ModelShape
 
-    try:
-        from torch import nn
-    except ImportError:  # pragma: no cover - torch is a dependency
-        nn = None
-    if nn is not None and isinstance(obj, nn.Module):
+    if isinstance(obj, nn.Module):
         return ModelShape.from_module(obj, seq=seq, name=f"{label} ({type(obj).__name__})")
     if isinstance(obj, dict) and "model_type" in obj:
         from transformers import AutoConfig

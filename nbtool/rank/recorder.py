@@ -43,6 +43,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 
 import torch
 
@@ -71,7 +72,9 @@ class Recorder:
         self._pending_events: list = []
         self._async: queue.SimpleQueue = queue.SimpleQueue()  # (future, record fields, t0) of async calls
         self._completer: threading.Thread | None = None
-        self._works: dict = {}  # id(Work) -> seq of async collectives not waited for yet
+        # id(Work) -> (seq, weak reference) of async collectives not waited for yet; an entry goes when its
+        # Work is waited or freed (DDP's futures are never waited in Python), so no later Work reuses its id
+        self._works: dict = {}
         self._driver = None  # nbtool.nvml.ProcessMemory on GPU ranks with nvidia-ml-py; False: none
 
     # -- lifecycle -----------------------------------------------------------
@@ -190,7 +193,7 @@ class Recorder:
             except RuntimeError:  # gloo send/recv: no future, and done only once waited
                 return _TimedWork(result, lambda: self._done(base, time.perf_counter() - t0, "wall"),
                                   lambda t, s: self._add(CommWait(self.rank, seq, t, s)))
-            self._works[id(result)] = seq
+            self._works[id(result)] = (seq, weakref.ref(result, lambda _, key=id(result): self._works.pop(key, None)))
             # timed by the completer thread, not a callback on the backend's worker
             # thread: such a callback waits there for the GIL and delays the next collectives
             self._async.put((fut, base, t0, result if self._cuda else None))
@@ -287,9 +290,11 @@ def _time_waits(recorder: Recorder | None) -> None:
 
     def wait(self, *args, **kwargs):
         rec = _ACTIVE
-        seq = rec._works.pop(id(self), None) if rec is not None else None
-        if seq is None:
+        entry = rec._works.get(id(self)) if rec is not None else None
+        if entry is None or entry[1]() is not self:
             return original(self, *args, **kwargs)
+        rec._works.pop(id(self), None)
+        seq = entry[0]
         t, t0 = time.time(), time.perf_counter()
         try:
             return original(self, *args, **kwargs)

@@ -215,7 +215,7 @@ class MeshStrategy(Strategy):
         group = self.mesh["pp"].get_group()
         for names, like in self._tied:
             p = next((params[n] for n in names if n in params), None)
-            grad = None if p is None or p.grad is None else p.grad
+            grad = p.grad if p is not None else None
             local = grad.to_local() if hasattr(grad, "to_local") else grad
             buf = local if local is not None else torch.zeros(like.shape, dtype=like.dtype, device=self.device)
             dist.all_reduce(buf, group=group)
