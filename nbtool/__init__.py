@@ -52,7 +52,8 @@ def last_run(name: str | None = None):
     """The records of the last ``%%distributed STRATEGY`` run, or of the run called ``name``.
 
     A nbtool.metrics.RunRecords: ``.comms`` (every collective), ``.memory``,
-    ``.steps``, ``.scalars``, ``.pipeline``; None before any recorded run.
+    ``.steps``, ``.scalars``, ``.pipeline``, ``.timelines`` (``--memory-timeline``); None before any
+    recorded run.
     """
     magics = _magics()
     if magics is None:

@@ -234,6 +234,8 @@ class NbtoolMagics(Magics):
         if args.ranks is not None:
             raise UsageError(f"--ranks does not apply with a strategy: {args.strategy} runs on every rank")
         spec = strategy_spec(args, cluster.layout.backend, cluster.layout.device_kind, cluster.layout.n)
+        if spec.memory_timeline is not None and not args.metrics:
+            raise UsageError("--memory-timeline is recorded with the run's metrics; drop --no-metrics")
         from . import actions
 
         actions.run.run_strategy(self.session, cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,

@@ -13,7 +13,8 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-SCHEMA_VERSION = 3  # 2: the run description is a RunDescription; 3: CommWait records, CommRecord.asynchronous
+SCHEMA_VERSION = 4  # 2: the run description is a RunDescription; 3: CommWait records, CommRecord.asynchronous;
+# 4: MemoryTimeline records
 
 LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
 
@@ -151,6 +152,45 @@ class MemorySample:
 
 
 @dataclass
+class MemoryTimeline:
+    """One rank's tensor memory over a ``--memory-timeline`` cell, by category.
+
+    Tracked tensor bytes (torch.profiler's memory profile: every tensor
+    allocated and freed while the cell ran, categorised by what the profiler
+    saw it used as), not allocator or RSS figures. ``times`` are seconds since
+    the profiler started; ``bytes`` holds one list per category in
+    ``categories`` order, aligned with ``times`` (downsampled, keeping each
+    interval's highest total, so the peak survives). ``files`` lists what was
+    written for other tools (torch's memory-timeline JSON; on CUDA ranks the
+    allocator-history snapshot pickle for pytorch.org/memory_viz).
+    """
+
+    rank: int
+    device: str
+    t0: float  # time.time() when recording started
+    times: list = field(default_factory=list)
+    categories: list = field(default_factory=list)  # torch.profiler's Category names, lower case; "unknown"
+    bytes: list = field(default_factory=list)
+    files: list = field(default_factory=list)
+    events: int = 0  # memory events the profiler saw (before downsampling)
+    note: str = ""  # why the categories are missing, when torch's memory profiler could not work them out
+    schema: int = SCHEMA_VERSION
+
+    def totals(self) -> list:
+        return [sum(c[i] for c in self.bytes) for i in range(len(self.times))]
+
+    def at(self, i: int) -> dict:
+        """{category: bytes} at point ``i`` (-1: the end of the cell)."""
+        return {c: b[i] for c, b in zip(self.categories, self.bytes)}
+
+    def peak(self) -> tuple[float, dict]:
+        """(seconds, {category: bytes}) at the highest total."""
+        totals = self.totals()
+        i = max(range(len(totals)), key=totals.__getitem__) if totals else -1
+        return (self.times[i] if totals else 0.0), (self.at(i) if totals else {})
+
+
+@dataclass
 class StepMarker:
     """An optimizer step completed on a rank (at an accumulation boundary)."""
 
@@ -208,9 +248,9 @@ class PipelineStep:
 
 # RunRecords list -> record type (JSON keys), and the CSV "kind" of each
 KINDS = {"comms": CommRecord, "memory": MemorySample, "steps": StepMarker, "scalars": ScalarRecord,
-         "pipeline": PipelineStep, "waits": CommWait}
+         "pipeline": PipelineStep, "waits": CommWait, "timelines": MemoryTimeline}
 CSV_KINDS = {"comm": "comms", "memory": "memory", "step": "steps", "scalar": "scalars", "pipeline": "pipeline",
-             "wait": "waits"}
+             "wait": "waits", "timeline": "timelines"}
 
 
 @dataclass
@@ -240,6 +280,7 @@ class RunRecords:
     scalars: list = field(default_factory=list)
     pipeline: list = field(default_factory=list)  # PipelineStep records (pp runs only)
     waits: list = field(default_factory=list)  # CommWait records
+    timelines: list = field(default_factory=list)  # MemoryTimeline records (--memory-timeline runs)
     schema: int = SCHEMA_VERSION
 
     def add(self, records) -> None:
@@ -276,7 +317,7 @@ def export(run: RunRecords, path: str) -> None:
             w = csv.DictWriter(f, fieldnames=columns)
             w.writeheader()
             for kind, r in rows:
-                w.writerow({"kind": kind, **{k: json.dumps(v) if isinstance(v, dict) else v for k, v in r.items()}})
+                w.writerow({"kind": kind, **{k: json.dumps(v) if isinstance(v, (dict, list)) else v for k, v in r.items()}})
         return
     with open(path, "w") as f:
         json.dump(run.to_json(), f)
@@ -300,7 +341,7 @@ def load(path: str) -> RunRecords:
 def _from_csv(value: str, typ: str):
     if value == "":
         return None
-    if "dict" in typ:
+    if "dict" in typ or "list" in typ:
         return json.loads(value)
     if typ.startswith("bool"):
         return value == "True"

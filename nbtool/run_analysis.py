@@ -163,3 +163,18 @@ def outside_allocator(samples) -> dict[int, int]:
         if s.driver_used is not None and s.cuda_reserved is not None:
             out[s.rank] = s.driver_used - s.cuda_reserved
     return out
+
+
+def timeline_lines(run: RunRecords) -> list[str]:
+    """One line per rank of a ``--memory-timeline`` run: the peak of tracked tensor bytes, when, and
+    by category (largest first), then the files written."""
+    from .metrics import format_bytes
+
+    lines = []
+    for t in sorted(run.timelines, key=lambda t: t.rank):
+        when, parts = t.peak()
+        cats = ", ".join(f"{c} {format_bytes(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1]) if b)
+        lines.append(f"rank {t.rank} ({t.device}): peak {format_bytes(sum(parts.values()))} at {when:.2f} s "
+                     f"({cats or 'nothing tracked'}); {t.events} memory events")
+        lines += [f"  {t.note}"] * bool(t.note) + [f"  wrote {f}" for f in t.files]
+    return lines

@@ -57,7 +57,7 @@ ABSENT = {"value": None, "switch": False, "off": True, "both": None}
 
 # sections of %%distributed? in this order; each option names its own
 GROUPS = ("training options", "ddp options", "fsdp options", "zero options", "layout options (tp, pp, fsdp)",
-          "checkpoint options")
+          "checkpoint options", "recording options")
 
 
 @dataclass(frozen=True)
@@ -104,9 +104,11 @@ class StrategySpec:
     contiguous_gradients: bool | None = option(None, group="zero options", applies=ZERO_NAMES, kind="both",
                                                help="copy gradients into one contiguous buffer")
     reduce_bucket_mb: float | None = option(None, group="zero options", applies=ZERO_NAMES,
-                                            type="positive_number", help="reduce bucket size, MiB")
+                                            type="positive_number",
+                                            help="reduce bucket size, MiB (DeepSpeed's default: 5e8 elements)")
     allgather_bucket_mb: float | None = option(None, group="zero options", applies=ZERO_NAMES,
-                                               type="positive_number", help="all-gather bucket size, MiB")
+                                               type="positive_number",
+                                               help="all-gather bucket size, MiB (DeepSpeed's default: 5e8 elements)")
     micro_batch: int = option(8, group="zero options", type="positive_int",
                               help="train_micro_batch_size_per_gpu in the DeepSpeed config (default 8)")
     # tp / pp / fsdp: the parallel layout (None: worked out from the world size, see ParallelDims)
@@ -136,6 +138,12 @@ class StrategySpec:
                                           help="save a checkpoint (strategy.save) every N optimizer steps")
     checkpoint_dir: str | None = option(None, group="checkpoint options", metavar="DIR",
                                         help="where --checkpoint-every saves (default: ./checkpoints)")
+    # "" or a directory for the files; None: off (nbtool.rank.memory_timeline)
+    memory_timeline: str | None = option(
+        None, group="recording options", nargs="?", const="", metavar="DIR", compare=False,
+        help="record every rank's tensor memory by category (torch.profiler's memory profile; several times "
+             "slower) and plot it under the cell; with DIR also write torch's memory-timeline JSON and, on "
+             "CUDA ranks, the allocator snapshot for pytorch.org/memory_viz")
 
     @property
     def is_zero(self) -> bool:
@@ -349,10 +357,12 @@ def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
         zero["overlap_comm"] = spec.overlap_comm
     if spec.contiguous_gradients is not None:
         zero["contiguous_gradients"] = spec.contiguous_gradients
+    # DeepSpeed counts both buckets in elements of the (16-bit under bf16/fp16) gradient and parameter dtype
+    per_element = 2 if spec.precision in ("bf16", "fp16") else 4
     if spec.reduce_bucket_mb is not None:
-        zero["reduce_bucket_size"] = int(spec.reduce_bucket_mb * 2**20)
+        zero["reduce_bucket_size"] = int(spec.reduce_bucket_mb * 2**20) // per_element
     if spec.allgather_bucket_mb is not None:
-        zero["allgather_bucket_size"] = int(spec.allgather_bucket_mb * 2**20)
+        zero["allgather_bucket_size"] = int(spec.allgather_bucket_mb * 2**20) // per_element
     if spec.offload in ("optimizer", "both"):
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if spec.offload in ("params", "both"):

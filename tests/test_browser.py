@@ -47,6 +47,17 @@ dist.all_reduce(torch.ones(1))"""
 COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp").replace("step == 59", "step == 19")
 COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
 PLAN = "%load_ext nbtool\n%dist_plan --model llama-2-7b --hardware a100-40gb"
+# the CUDA memory panel from recorded GPU figures (a CPU machine has none to measure)
+GPU_PANEL = """from nbtool.metrics import MemorySample, RunRecords
+from nbtool.widgets import Dashboard, show_figure
+run = RunRecords("gpu", "ddp", 2, t_start=0.0)
+run.add([MemorySample(r, t, 0, "interval", rss=2**30, cuda_reserved=(t + 1) * 2**30,
+                      driver_used=(t + 1) * 2**30 + 3 * 2**29) for r in range(2) for t in range(4)])
+dash = Dashboard(2, cuda=True)
+dash.refresh(run, force=True)
+show_figure(dash.static(run))"""
+TIMELINE = (TRAIN.replace("%%distributed ddp", "%%distributed ddp --memory-timeline")
+            .replace("    time.sleep(0.25)\n", "").replace("step == 59", "step == 4"))
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +200,46 @@ def _export(path: Path, sanitize: bool) -> Path:
         cmd.append("--HTMLExporter.sanitize_html=True")
     subprocess.run(cmd, check=True, capture_output=True, timeout=120)
     return out
+
+
+def test_memory_timeline_plot_shows_each_ranks_categories(page):
+    """--memory-timeline: under the dashboard's static copy, a stacked plot per rank whose traces are
+    torch.profiler's categories, with points, read from the page."""
+    lab = page
+    lab.write("timeline.ipynb", notebook(SETUP, DATA, TIMELINE, GPU_PANEL))
+    lab.open("timeline.ipynb")
+    lab.run_and_wait(0, 120)
+    lab.run_and_wait(1, 60)
+    lab.run_and_wait(2, 180)
+    assert "memory timeline (tracked tensor bytes by category" in lab.output_text(2)
+    lab.wait(lambda: len(lab.plots(2)) == 2, 30, "the memory timeline plot did not appear")
+    traces = lab.js("""
+        const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[2].querySelectorAll('.js-plotly-plot')[1];
+        return (p.data || []).map(t => [t.name, t.xaxis || 'x', (t.y || []).length, Math.max(...(t.y || [0]))]);""")
+    by_axis = {}
+    for name, axis, n, top in traces:
+        by_axis.setdefault(axis, {})[name] = (n, top)
+    assert sorted(by_axis) == ["x", "x2"], traces  # rank 0 and rank 1 side by side
+    for cats in by_axis.values():
+        assert {"parameter", "optimizer_state", "activation"} <= set(cats), traces
+        assert all(n > 1 and top > 0 for n, top in cats.values()), traces
+    lab.shot_output(2, "memory_timeline")
+
+    # CUDA ranks' memory panel: reserved and driver lines 1.5 GiB apart, the gap named in the title
+    lab.run_and_wait(3, 60)
+    lab.wait(lambda: lab.plots(3), 30, "the GPU dashboard copy did not appear")
+    lines = lab.js("""
+        const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[3].querySelector('.js-plotly-plot');
+        const pick = n => Array.from(p.data.find(t => t.name === n).y);
+        return [pick('rank 0 reserved'), pick('rank 0 driver (NVML)'),
+                p.querySelector('.gtitle').textContent, p.layout.annotations[1].text];""")
+    reserved, driver, title, panel = lines
+    assert reserved == [1024, 2048, 3072, 4096] and [d - r for d, r in zip(driver, reserved)] == [1536] * 4, lines
+    assert "outside PyTorch's allocator (driver minus reserved): rank 0 1.50 GiB" in title and panel.startswith("GPU")
+    errors = [e for e in lab.console_errors() if "favicon" not in e]
+    assert not errors, errors
+    for s in lab.api("sessions"):  # its cluster goes with its kernel
+        lab.api(f"sessions/{s['id']}", method="DELETE")
 
 
 def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):

@@ -238,6 +238,28 @@ def test_dashboard_updates_traces_in_place_one_message_per_refresh():
     assert dash.static().data[0].y == (4.0, 4.0)
 
 
+def test_dashboard_memory_panel_on_cuda_ranks_shows_the_gap_outside_the_allocator():
+    """CUDA ranks: the memory panel plots the allocator's reserved bytes and the driver's (NVML), and
+    the status line states the gap (synthetic samples: the GPU path's figures come from a GPU)."""
+    from nbtool.widgets import Dashboard
+
+    run = RunRecords("gpu", "ddp", 2, t_start=100.0)
+    run.add([MemorySample(r, 100.0 + t, 0, "interval", rss=2**30, cuda_allocated=2**29, cuda_reserved=(t + 1) * 2**30,
+                          cuda_peak=2**29, driver_used=(t + 1) * 2**30 + (r + 1) * 3 * 2**28) for r in range(2)
+             for t in range(4)])
+    dash = Dashboard(2, cuda=True)
+    dash.refresh(run, force=True)
+    by_name = {t.name: t for t in dash.fig.data}
+    assert list(by_name["rank 1 reserved"].y) == [1024.0, 2048.0, 3072.0, 4096.0]
+    assert [d - r for d, r in zip(by_name["rank 1 driver (NVML)"].y, by_name["rank 1 reserved"].y)] == [1536.0] * 4
+    assert dash.fig.layout.annotations[1].text.startswith("GPU (MiB)")
+    assert "outside PyTorch's allocator (driver minus reserved): rank 0 768 MiB, rank 1 1.50 GiB" in Dashboard.status_text(run)
+    cpu = Dashboard(2)  # CPU ranks: RSS, and no driver line
+    cpu.refresh(run, force=True)
+    assert not {t.name: t for t in cpu.fig.data}["rank 0 driver (NVML)"].y
+    assert cpu.fig.layout.annotations[1].text.startswith("process RSS")
+
+
 def test_dashboard_from_a_real_run(ranks):
     from nbtool.widgets import Dashboard
 

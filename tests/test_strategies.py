@@ -229,12 +229,14 @@ def test_summary_and_describe(ranks, capsys):
 
 def test_export_config_is_the_config_used(ranks, tmp_path):
     path = tmp_path / "zero2.json"
-    ranks.run_cell(f"%%distributed zero2 --precision bf16 --micro-batch 4 --export-config {path}\n"
+    ranks.run_cell(f"%%distributed zero2 --precision bf16 --micro-batch 4 --reduce-bucket-mb 2 --export-config {path}\n"
                    "_r = _run(strategy, steps=1, batch=4)").raise_error()
     cfg = json.loads(path.read_text())
     ranks.run_line_magic("dist_pull", "_r --rank 0")
     assert cfg == ranks.user_ns["_r"]["desc"]["deepspeed_config"]
     assert cfg["zero_optimization"]["stage"] == 2 and cfg["bf16"] == {"enabled": True}
+    # DeepSpeed counts the bucket in elements of the 16-bit gradients: 2 MiB is 2**20 of them
+    assert cfg["zero_optimization"]["reduce_bucket_size"] == 2**20
     # deepspeed.initialize takes the file as is
     ranks.user_ns["_cfg_path"] = str(path)
     ranks.run_line_magic("dist_push", "_cfg_path")
@@ -330,3 +332,47 @@ def test_a_new_strategy_cell_frees_the_previous_deepspeed_engine(ranks):
         assert live() == first, line  # the previous cell's engine went; only this cell's is new
     train(ranks, "ddp", steps=1)
     assert live() == [n - 1 for n in first]
+
+
+def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, tmp_path):
+    """--memory-timeline: torch.profiler's categories per rank, the optimizer state it tracks equal to
+    the ledger's (a second measurement), torch's JSON written; a wrapper torch cannot categorise
+    (FSDP2 in torch 2.13) falls back to the allocator's total and says why."""
+    import nbtool
+    from nbtool.widgets.memory_timeline import timeline_figure
+
+    ip = ranks
+    runs = {}
+    for line in (f"ddp --memory-timeline {tmp_path}", "fsdp --memory-timeline"):
+        ip.run_cell(f"%%distributed {line} --name {line.split()[0]}-mt\n_out = _run(strategy)").raise_error()
+        runs[line.split()[0]] = nbtool.last_run()
+    out = capsys.readouterr().out
+    assert out.count("memory timeline (tracked tensor bytes by category") == 2, out
+    ledger0 = {name: [m.ledger for m in run.memory if m.ledger and m.rank == 0][-1] for name, run in runs.items()}
+    for name in ("ddp",):
+        timelines = sorted(runs[name].timelines, key=lambda t: t.rank)
+        assert [t.rank for t in timelines] == [0, 1] and all(t.note == "" for t in timelines), (name, out)
+        end = timelines[0].at(-1)
+        led = ledger0[name]
+        # Adam's exp_avg/exp_avg_sq plus the step counters: the same bytes counted two ways
+        assert end["optimizer_state"] == led["optimizer_state"] + led["other"], (name, end, led)
+        assert end["parameter"] >= led["params"] > 0
+        when, peak = timelines[0].peak()
+        assert peak["activation"] > 0 and 0 <= when <= runs[name].t_end - runs[name].t_start
+        assert len(timelines[0].times) <= 401 < timelines[0].events
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["rank0_memory_timeline.json", "rank1_memory_timeline.json"]
+    times, sizes = json.loads((tmp_path / "rank0_memory_timeline.json").read_text())
+    assert len(times) == runs["ddp"].timelines[0].events and max(sum(r) for r in sizes) == max(
+        runs["ddp"].timelines[0].totals())
+    fsdp = runs["fsdp"].timelines
+    assert all(t.categories == ["uncategorised"] and "could not categorise" in t.note for t in fsdp)
+    assert all(max(t.totals()) >= ledger0["fsdp"]["params"] for t in fsdp)
+    assert "could not categorise this run" in out
+    # the plot: one row per run, one column per rank, one stacked trace per category that held bytes
+    fig = timeline_figure([runs["ddp"], runs["fsdp"]])
+    names = {(t.name, t.xaxis) for t in fig.data}
+    assert ("optimizer_state", "x") in names and ("optimizer_state", "x2") in names and ("uncategorised", "x3") in names
+    assert all(t.stackgroup and len(t.x) == len(t.y) > 1 for t in fig.data)
+    with pytest.raises(UsageError, match="drop --no-metrics"):
+        ip.run_cell_magic("distributed", "ddp --memory-timeline --no-metrics", "pass")

@@ -31,21 +31,29 @@ PANELS = (
     "latency (ms): all_reduce", "bus bandwidth (GB/s) vs S", "rank 0 per step: comm, other (ms)",
 )
 LATENCY_PANEL = 3
+MEMORY_PANEL = 1
+# the memory panel on CUDA ranks: the allocator's reserved bytes, and with NVML the driver's per-process
+# bytes; the gap between the two lines is the memory outside PyTorch's allocator
+CUDA_MEMORY_PANEL = "GPU (MiB): reserved, driver \u2504"
 
 PIPELINE_PANEL = "pipeline: each stage's compute vs bubble per step (ms)"
 TITLE_WRAP = 110  # characters per line of the static copy's title
 
 
 class Dashboard:
-    def __init__(self, world_size: int, title: str = "", refresh_s: float = 0.5, pipeline: bool = False):
+    def __init__(self, world_size: int, title: str = "", refresh_s: float = 0.5, pipeline: bool = False,
+                 cuda: bool = False):
         self.world_size = world_size
+        self.cuda = cuda  # the memory panel plots allocator and driver figures instead of RSS
         self.pipeline = pipeline  # a third row: each stage's compute vs bubble
         self.refresh_s = refresh_s
         self._last = 0.0
         self.refreshes = 0
         rows = 3 if pipeline else 2
         specs = [[{}, {}, {}]] * 2 + ([[{"colspan": 3}, None, None]] if pipeline else [])
-        titles = PANELS + ((PIPELINE_PANEL,) if pipeline else ())
+        titles = list(PANELS) + ([PIPELINE_PANEL] if pipeline else [])
+        if cuda:
+            titles[MEMORY_PANEL] = CUDA_MEMORY_PANEL
         fig = make_subplots(rows=rows, cols=3, specs=specs, subplot_titles=titles, horizontal_spacing=0.08,
                             vertical_spacing=0.14 if pipeline else 0.2)
         ranks = [f"rank {r}" for r in range(world_size)]
@@ -54,12 +62,15 @@ class Dashboard:
                                  legendgroup="ledger"), 1, 1)
         for r in range(world_size):
             c = COLORS[r % len(COLORS)]
-            fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"rank {r} rss", line_color=c,
-                                     showlegend=False), 1, 2)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"rank {r} {'reserved' if cuda else 'rss'}",
+                                     line_color=c, showlegend=False), 1, 2)
             fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=f"rank {r} loss", line_color=c,
                                      showlegend=False), 1, 3)
             fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=f"rank {r} latency", marker_color=c,
                                      marker_size=4, showlegend=False), 2, 1)
+        for r in range(world_size):  # NVML's per-process bytes (CUDA ranks with nvidia-ml-py; empty otherwise)
+            fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"rank {r} driver (NVML)",
+                                     line=dict(color=COLORS[r % len(COLORS)], dash="dot"), showlegend=False), 1, 2)
         for i, op in enumerate(OPS[:-1]):
             fig.add_trace(go.Scatter(x=[], y=[], mode="markers", name=op, marker_symbol="diamond",
                                      marker_color=COLORS[i % len(COLORS)], legendgroup="ops"), 2, 2)
@@ -126,15 +137,20 @@ class Dashboard:
                 traces[i].y = [ledgers[r][cat] / MIB for r in range(n)]
             for r in range(n):
                 mem = [m for m in run.memory if m.rank == r]
+                if self.cuda:
+                    mem = [m for m in mem if m.cuda_reserved is not None]
                 traces[ncat + 3 * r].x = [m.t - t0 for m in mem]
-                traces[ncat + 3 * r].y = [m.rss / MIB for m in mem]
+                traces[ncat + 3 * r].y = [(m.cuda_reserved if self.cuda else m.rss) / MIB for m in mem]
+                driver = [m for m in mem if self.cuda and m.driver_used is not None]
+                traces[ncat + 3 * n + r].x = [m.t - t0 for m in driver]
+                traces[ncat + 3 * n + r].y = [m.driver_used / MIB for m in driver]
                 loss = [s for s in run.scalars if s.rank == r and "loss" in s.values]
                 traces[ncat + 3 * r + 1].x = [s.step for s in loss]
                 traces[ncat + 3 * r + 1].y = [s.values["loss"] for s in loss]
                 lat = [c for c in run.comms if c.rank == r and c.op == op]
                 traces[ncat + 3 * r + 2].x = [c.t_issue - t0 for c in lat]
                 traces[ncat + 3 * r + 2].y = [c.seconds * 1e3 for c in lat]
-            base = ncat + 3 * n
+            base = ncat + 4 * n
             for i, name in enumerate(OPS[:-1]):
                 cs = [c for c in run.comms if c.op == name and c.size_bytes > 0 and c.seconds > 0]
                 traces[base + i].x = [c.size_bytes for c in cs]

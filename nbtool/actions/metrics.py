@@ -21,6 +21,10 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False) ->
 
     display(comparison)
     show_figure(comparison.figure())
+    if any(r.timelines for r in runs):  # --memory-timeline runs: their timelines, one row per run
+        from ..widgets.memory_timeline import timeline_figure
+
+        show_figure(timeline_figure(runs))
 
 
 def stored_runs(state: Session, names: list[str]) -> list:

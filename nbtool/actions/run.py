@@ -14,6 +14,7 @@ from .metrics import show_comparison
 from .state import Session
 
 FINISH_TIMEOUT_S = 30.0
+TIMELINE_FINISH_S = 600.0  # --memory-timeline: torch works out the categories after the cell, about as long as it ran
 
 
 def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
@@ -55,7 +56,8 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
         pipeline = spec.name in LAYOUT_NAMES and ParallelDims.resolve(spec, cluster.world_size).pp > 1
         from ..widgets.figures import show_live
 
-        dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline)
+        dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline,
+                         cuda=cluster.layout.device_kind == "cuda")
         dash_id = show_live(dash.widget)
     try:
         cluster.view(ranks).apply_sync(strategies.install, spec, metrics, dash is not None)
@@ -75,7 +77,10 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
         ok = True
     finally:
         # always stop the recorders: their sampling thread runs and the watchdog's wrappers report to them
-        finished = _finish(cluster, ranks, want_summary=not quiet)
+        if spec.memory_timeline is not None and not quiet:
+            print("nbtool: working out the memory timeline's categories on every rank ...", file=sys.stderr)
+        finished = _finish(cluster, ranks, want_summary=not quiet,
+                           timeout=FINISH_TIMEOUT_S + TIMELINE_FINISH_S * (spec.memory_timeline is not None))
         if metrics and finished is not None:
             run = RunRecords(name=run.name, strategy=run.strategy, world_size=run.world_size, t_start=run.t_start,
                              t_end=time.time(), description=finished[0]["description"])
@@ -93,7 +98,21 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
         print(finished[0]["summary"])
         if export_config:
             print(f"DeepSpeed config written to {export_config}")
+    if metrics and run.timelines and not quiet:
+        _show_timelines(run, in_kernel)
     return run if metrics else None
+
+
+def _show_timelines(run, in_kernel: bool) -> None:
+    from .. import run_analysis
+
+    print("memory timeline (tracked tensor bytes by category, torch.profiler's memory profile):")
+    print("\n".join("  " + line for line in run_analysis.timeline_lines(run)))
+    if in_kernel:
+        from ..widgets import show_figure
+        from ..widgets.memory_timeline import timeline_figure
+
+        show_figure(timeline_figure([run]))
 
 
 class _LiveRecords:
@@ -114,13 +133,13 @@ class _LiveRecords:
             self.dash.refresh(self.run)
 
 
-def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool):
+def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool, timeout: float = FINISH_TIMEOUT_S):
     from ..rank import strategies
 
     if cluster.lost_ranks() or cluster.client is None:
         return None  # the cell's error already says which ranks are gone
     try:
-        return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=FINISH_TIMEOUT_S)
+        return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=timeout)
     except Exception as e:  # a rank still stuck (after a timeout/interrupt) or gone
         print(f"nbtool: could not collect the run's records from every rank ({type(e).__name__}); "
               "%cluster restart if ranks are stuck", file=sys.stderr)

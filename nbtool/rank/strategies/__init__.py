@@ -58,14 +58,25 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
 
         _last.recorder = Recorder(dist.get_rank(), publish=publish)
         _last.recorder.start()
+    if spec.memory_timeline is not None:  # last, so it records the cell and not nbtool's set-up
+        import torch.distributed as dist
+
+        from ..bootstrap import rank_device
+        from ..memory_timeline import TimelineRecorder
+
+        _last.timeline = TimelineRecorder(dist.get_rank(), rank_device(), spec.memory_timeline or None)
+        _last.timeline.start()
     get_ipython().user_ns["strategy"] = _last
 
 
 def _stop_recorder() -> list:
+    records = []
+    if _last is not None and _last.timeline is not None:
+        timeline, _last.timeline = _last.timeline, None
+        records.append(timeline.stop())
     if _last is not None and _last.recorder is not None:
-        records, _last.recorder = _last.recorder.stop(), None
-        return records
-    return []
+        records[:0], _last.recorder = _last.recorder.stop(), None
+    return records
 
 
 def finish(want_summary: bool = True) -> dict:

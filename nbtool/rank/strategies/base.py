@@ -59,6 +59,7 @@ class Strategy:
         self._ledger_at_step: MemoryLedger | None = None
         self._checkpointed: list[str] = []
         self.recorder = None  # set by install() when metrics are on
+        self.timeline = None  # a TimelineRecorder under --memory-timeline (nbtool.rank.memory_timeline)
         self.loss_fn = None  # prepare(..., loss_fn=) for forward_backward
         self._plan_arg = None  # prepare(..., plan=) for tensor parallelism
         self._plain = None  # the model as the strategy holds it, before any outer wrapper
