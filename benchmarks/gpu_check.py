@@ -18,6 +18,8 @@ and lists what it skipped. Checks:
 - collective timing: the clock of blocking calls (cuda_event on GPUs, wall on
   CPU) and of async ones;
 - ``%commbench all_reduce``: busbw per size, every result element checked;
+- ``--memory-timeline``: each rank's categorised tensor timeline (on GPUs the
+  allocator-history snapshot pickle per rank, loaded back);
 - the hang watchdog: a collective rank 1 never joins is reported (on nccl with
   the NCCL flight recorder's view merged in), and after ``%cluster restart``
   the cluster runs collectives again;
@@ -183,6 +185,35 @@ def main() -> None:
         sizes = ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw'] / 1e9:.2f} GB/s" for r in res.rows)
         return ("PASS" if res.wrong == 0 else "FAIL"), f"busbw {sizes}; {res.wrong} wrong"
     checks.run("%commbench all_reduce", commbench)
+
+    def memory_timeline():
+        import os
+        import pickle
+        import tempfile
+
+        import nbtool
+
+        out = tempfile.mkdtemp(prefix="nbtool-timeline-")
+        ip.run_cell(TRAIN.format(line=f"ddp --memory-timeline {out}", steps=a.steps)).raise_error()
+        timelines = sorted(nbtool.last_run().timelines, key=lambda t: t.rank)
+        ok = [t.rank for t in timelines] == list(range(n))
+        parts = []
+        for t in timelines[:1]:
+            when, peak = t.peak()
+            parts.append(f"rank 0 ({t.device}) peak {sum(peak.values()) / 2**20:.1f} MiB at {when:.2f} s, "
+                         + ", ".join(f"{c} {b / 2**20:.2f}" for c, b in peak.items() if b) + " MiB")
+            ok &= sum(peak.values()) > 0
+            if t.note:
+                parts.append(t.note)
+        snapshots = sorted(f for f in os.listdir(out) if f.endswith("snapshot.pickle"))
+        if gpus:  # the allocator history memory_viz reads
+            with open(os.path.join(out, snapshots[0]) if snapshots else os.devnull, "rb") as f:
+                snap = pickle.load(f) if snapshots else {}
+            ok &= len(snapshots) == n and bool(snap.get("device_traces"))
+            parts.append(f"{len(snapshots)} snapshot pickle(s), {sum(map(len, snap.get('device_traces', [])))} "
+                         "allocator events in rank 0's")
+        return ("PASS" if ok else "FAIL"), "; ".join(parts)
+    checks.run("--memory-timeline", memory_timeline)
 
     def hang():
         import nbtool

@@ -25,9 +25,9 @@ def test_gpu_check_cpu_mode_passes_and_names_what_it_skipped():
     text = out.stdout
     assert out.returncode == 0, text[-3000:] + out.stderr[-3000:]
     passed, total = map(int, re.search(r"^gpu_check=(\d+)/(\d+)$", text, re.M).groups())
-    assert passed == total >= 8, text  # start, 5 strategies, timing, commbench, watchdog
+    assert passed == total >= 9, text  # start, 5 strategies, timing, commbench, timeline, watchdog
     assert "SKIP  nccl: no GPU" in text and "SKIP  NVML: no GPU" in text
     for check in ("cluster start", "ddp (fp32)", "zero3 (fp32)", "tp (fp32)", "pp (fp32)", "hang watchdog",
-                  "%commbench all_reduce", "collective timing clock"):
+                  "%commbench all_reduce", "collective timing clock", "--memory-timeline"):
         assert re.search(rf"^PASS  {re.escape(check)}: ", text, re.M), (check, text)
     assert "losses = ddp's" in text and "ledger = expected" in text
