@@ -48,6 +48,18 @@ def current_cluster():
     return magics.rank_cluster if magics is not None else None
 
 
+def predicted_vs_measured(name: str | None = None):
+    """The planner's prediction of the last run (or of the run called ``name``) next to what it
+    measured: a nbtool.plan.versus.Versus (``.rows``, ``.text()``), as ``%dist_plan --vs-last`` prints."""
+    magics = _magics()
+    run = last_run(name)
+    if magics is None or run is None:
+        return None
+    from .actions.plan import versus_for
+
+    return versus_for(magics.session, run)
+
+
 def last_run(name: str | None = None):
     """The records of the last ``%%distributed STRATEGY`` run, or of the run called ``name``.
 

@@ -301,7 +301,7 @@ class NbtoolMagics(Magics):
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
         actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
-                                        args.deterministic)
+                                        args.deterministic, self.session)
 
     @magic_arguments()
     @argument("action", choices=["export"], help="what to do")
@@ -399,7 +399,9 @@ class NbtoolMagics(Magics):
     @argument("--precision", choices=PRECISIONS, default="bf16")
     @argument("--checkpointing", choices=["none", "selective", "full"], default="none")
     @argument("--text", action="store_true", help="print the ranked recommendation instead of the widget")
-    @argument("--vs-last", action="store_true", help="predicted vs measured model states of the last run")
+    @argument("--vs-last", action="store_true", help="the last run's figures next to the planner's prediction")
+    @argument("--deterministic", action="store_true",
+              help="with --vs-last: only the figures that do not vary between runs (bytes)")
     @line_magic
     def dist_plan(self, line=""):
         """Recommend a strategy from the model size and the hardware, with the numbers behind it.
@@ -408,15 +410,17 @@ class NbtoolMagics(Magics):
         predicted per-device memory per layout against the device's capacity,
         communication per step, and a ranked list with a reason per line;
         "Apply" writes the chosen ``%%distributed`` line into a new cell.
-        ``--vs-last`` compares predicted with measured model states for the
-        last recorded run. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
+        ``--vs-last`` puts the last recorded run's figures (model states,
+        bytes per step, peak tensor memory, step time and its split,
+        throughput) next to the planner's prediction of that run, calibrated on
+        the run before it. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
         ``HARDWARE_PRESETS``; measured ``%commbench`` bandwidth is used when present.
         """
         from . import actions
 
         args = parse_argstring(self.dist_plan, line)
         if args.vs_last:
-            return actions.plan.plan_vs_last(self.session)
+            return actions.plan.plan_vs_last(self.session, args.deterministic)
         req = actions.plan.request(args, self.shell.user_ns)  # resolved and checked before the cluster is asked
         return actions.plan.plan(self.session, req, self.rank_cluster, self.in_kernel, self.shell)
 

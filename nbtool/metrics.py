@@ -262,6 +262,9 @@ class RunDescription:
     precision: str = "fp32"
     reshard_after_forward: bool = True  # fsdp's option
     dims: tuple | None = None  # (dp, tp, pp) of a tp / pp / fsdp x tp layout; None for the others
+    model_shape: dict = field(default_factory=dict)  # layers, hidden, heads, vocab, largest_layer (ModelShape)
+    batch: dict = field(default_factory=dict)  # the first batch on rank 0: samples, tokens, seq (ids only)
+    spec: dict = field(default_factory=dict)  # the StrategySpec's fields (nbtool.spec), for the planner and advice
 
 
 @dataclass

@@ -176,6 +176,28 @@ def flag_of(f) -> str:
     return "--no-" + name[2:] if f.metadata["kind"] == "off" else name
 
 
+def line_of(spec: StrategySpec) -> str:
+    """The ``%%distributed`` line (after the magic's name) that asks for ``spec``: its strategy word and
+    every option that differs from the default, as a user writes it. ``--ds-config``'s file cannot be
+    named from its contents and is left out."""
+    words = [spec.name]
+    for f in OPTION_FIELDS:
+        value = getattr(spec, f.name)
+        if f.name == "ds_config" or value == f.default:
+            continue
+        kind = f.metadata["kind"]
+        if kind in ("switch", "off"):
+            words.append(flag_of(f))
+        elif kind == "both":
+            words.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
+        elif value == f.metadata["argparse"].get("const", object()):
+            words.append(flag_of(f))
+        else:
+            text = ",".join(value) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else value
+            words.append(f"{flag_of(f)} {text}")
+    return " ".join(words)
+
+
 def given(spec: StrategySpec, f) -> bool:
     """True when the line set this option (its value differs from the field's default)."""
     default = f.default if f.default is not MISSING else None

@@ -342,3 +342,43 @@ def test_exposed_time_measured_on_real_ranks(ranks):
     assert all(r["exposed_s"] is None for r in per_step(ddp))
     table = Comparison([zero3, ddp]).text()
     assert "comm exposed ms/step" in table and table.splitlines()[2].split()[-2] == "-"
+
+
+def test_predicted_vs_measured_exact_figures_and_calibration(ranks):
+    """Under every run the planner predicts it: model states exactly (the ledger), bus bytes per step
+    within 2%, with the link and compute rate calibrated on the run before."""
+    for line in ("ddp", "fsdp", "zero2", "zero3"):
+        run = record(ranks, line)
+        v = nbtool.predicted_vs_measured()
+        assert v.run_name == run.name
+        states, bus = v.row("model states"), v.row("bus bytes / step")
+        assert states.within and states.error == 0.0, (line, states)
+        assert bus.within, (line, bus, v.text())
+        if line != "ddp":
+            assert "calibrated on run" in v.hardware_source, v.hardware_source
+    step = v.row("step time")
+    assert step.measured > 0 and step.predicted > 0 and step.tolerance == 0.25
+    assert v.row("peak tensor memory").measured is None  # CPU ranks without --memory-timeline: not measured
+    assert v.hardware.measured and v.hardware.intra_bw > 0
+
+
+def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
+    """Two kinds of suggestion, each run as written: FSDP without resharding (bus bytes per step fall
+    by a third) and a bigger DDP bucket (fewer all-reduces per step)."""
+    magics = ranks.magics_manager.registry["NbtoolMagics"]
+    for line, figure in (("fsdp", "bus bytes / step"), ("ddp --bucket-mb 0.05", "collectives / step")):
+        record(ranks, line)
+        advice = [s for s in magics.session.advice if s.figure == figure]
+        assert advice, (line, magics.session.advice)
+        s = advice[0]
+        assert s.predicted < s.before
+        capsys.readouterr()
+        ranks.run_cell(f"%%distributed {s.line}\n_ledger = _fit(strategy, 4)").raise_error()
+        out = capsys.readouterr().out
+        from nbtool.plan.advice import measure
+
+        after = measure(nbtool.last_run(), figure)
+        assert after < s.before, (s.line, s.before, after)
+        assert abs(after - s.predicted) <= 0.02 * s.before, (s.line, s.predicted, after)
+        assert f"advice followed (from run '{line.split()[0]}')" in out and "(as predicted)" in out, out
+        assert "predicted vs measured, run" in out

@@ -54,11 +54,11 @@ def test_matches_deepspeed_estimators(nodes, per_node):
 
 LEDGER_SETUP = """%%distributed --quiet
 from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
-def _one_step(strategy):
+def _one_step(strategy, steps=1):
     m = TinyTransformer()
     model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
-    x, y = next(iter(strategy.dataloader(SyntheticTokens(16), batch_size=2)))
-    strategy.backward(lm_loss(model(x), y)); opt.step()
+    for _, (x, y) in zip(range(steps), strategy.dataloader(SyntheticTokens(16), batch_size=2)):
+        strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
     return strategy.memory_ledger()
 """
 
@@ -221,12 +221,22 @@ def test_vs_last_compares_prediction_with_the_ledger(ip, cluster, capsys):
     ip.run_cell(LEDGER_SETUP).raise_error()
     ip.run_cell("%%distributed zero2 --quiet\n_led = _one_step(strategy)").raise_error()
     capsys.readouterr()
-    ip.run_line_magic("dist_plan", "--vs-last")
+    ip.run_line_magic("dist_plan", "--vs-last --deterministic")
     lines = capsys.readouterr().out.splitlines()
-    assert lines[0].startswith("run 'zero2' (zero2, fp32, 2 ranks)")
-    for line in lines[2:]:
-        name, predicted, r0, r1 = line.split()
-        assert predicted == r0 == r1, line  # predicted bytes equal what each rank holds
+    assert lines[0] == "predicted vs measured, run 'zero2'"
+    states = next(line for line in lines if line.startswith("model states"))
+    assert "+0.0% ok" in states and "ledger" in states  # predicted bytes equal what each rank holds
+    assert not any(line.startswith("step time") for line in lines)  # times vary run to run: not shown
+
+
+def test_dist_plan_calibrates_on_the_latest_run(ip, cluster, capsys):
+    """After a strategy run, %dist_plan on this cluster uses the run's link fit and compute rate."""
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell("%%distributed fsdp --quiet\n_led = _one_step(strategy, steps=3)").raise_error()
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--text --model 1e8 --micro-batch 2 --seq 128")
+    out = capsys.readouterr().out
+    assert "measured on this cluster: link (alpha " in out and "GFLOP/s achieved) from run 'fsdp'" in out, out
 
 
 def test_picker_updates_and_apply_round_trips(ip, cluster, tmp_path):

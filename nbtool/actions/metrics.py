@@ -6,25 +6,37 @@ from IPython.core.error import UsageError
 from .state import Session
 
 
-def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False) -> None:
-    """Display the comparison: HTML table + plots in a notebook, text elsewhere.
+def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, state: Session | None = None) -> None:
+    """Display the comparison: HTML table + plots in a notebook, text elsewhere; with ``state``, the
+    planner's error on each run below it.
 
     ``deterministic`` prints only the columns that do not vary between runs.
     """
     from ..widgets import Comparison, show_figure
 
     comparison = Comparison(runs)
+    errors = _planner_errors(state, runs, deterministic) if state is not None else ""
     if deterministic or not in_kernel:
-        print(comparison.text(deterministic=deterministic))
+        print(comparison.text(deterministic=deterministic) + errors)
         return
     from IPython.display import display
 
     display(comparison)
+    if errors:
+        print(errors.lstrip("\n"))
     show_figure(comparison.figure())
     if any(r.timelines for r in runs):  # --memory-timeline runs: their timelines, one row per run
         from ..widgets.memory_timeline import timeline_figure
 
         show_figure(timeline_figure(runs))
+
+
+def _planner_errors(state: Session, runs: list, deterministic: bool) -> str:
+    from ..plan.versus import error_table
+    from .plan import versus_for
+
+    results = [versus_for(state, r) for r in runs if r.description.param_numels]
+    return "\n\n" + error_table(results, deterministic) if results else ""
 
 
 def stored_runs(state: Session, names: list[str]) -> list:

@@ -111,8 +111,21 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
 
         facts = cluster.view([0]).apply_sync(hardware_facts)[0]
         hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend)
+        measured = []
+        if state.calibration is not None and state.calibration[0].measured \
+                and state.calibration[0].devices_per_node == hw.devices_per_node:
+            from dataclasses import replace
+
+            cal, name = state.calibration
+            hw = replace(hw, intra_latency=cal.intra_latency, intra_bw=cal.intra_bw, peak_flops=cal.peak_flops,
+                         measured=True)
+            measured.append(f"{cal.name} from run {name!r}")
         if state.commbench is not None and "all_reduce" in state.commbench.fits:
             hw = hw.with_commbench(state.commbench)
+            measured.append("link from the last %commbench all_reduce fit")
+        if measured and req.text:
+            print("measured on this cluster: " + "; ".join(measured)
+                  + " (device memory from the ranks' own report; host link: preset)")
     shape, training = req.shape, req.training
     if in_kernel and not req.text:
         from ..widgets.picker import Picker
@@ -160,40 +173,50 @@ def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     return hits[0]
 
 
-def plan_vs_last(state: Session) -> None:
-    """Predicted (nbtool.plan) vs measured (memory ledger) model states for the last recorded run."""
-    from ..plan.estimate import estimate
-    from ..plan.inputs import Hardware, ModelShape, Training
-    from ..run_analysis import peak_ledger
-
+def plan_vs_last(state: Session, deterministic: bool = False) -> None:
+    """``%dist_plan --vs-last``: the last run's figures next to the planner's (nbtool.plan.versus)."""
     if state.last is None:
         raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
-    run = state.last
-    desc = run.description
-    if not desc.param_numels:
-        raise UsageError(f"run {run.name!r} has no model description (did the cell call strategy.prepare?)")
-    numels = desc.param_numels
-    shape = ModelShape(sum(numels), numels=tuple(numels))
-    layout = {"fsdp": "fsdp" if desc.reshard_after_forward else "fsdp-grad-op"}.get(run.strategy, run.strategy)
-    hw = Hardware("this run", 1, run.world_size, 1e15, 1e15, 1e9, 1e9)
-    precision = desc.precision
-    dims = desc.dims  # (dp, tp, pp) for mesh layouts only
-    note = None
-    if dims is None:
-        tp = pp = 1
+    try:
+        result = versus_for(state, state.last)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print(result.text(deterministic=deterministic))
+
+
+def versus_for(state: Session, run):
+    """The planner's prediction of ``run`` with the best hardware figures this kernel has: the
+    calibration of the run before it (else of this run itself), with %commbench's link fit."""
+    from ..plan.versus import calibrate, versus
+
+    if state.versus.get(run.name) is not None and state.versus[run.name].run is run:
+        return state.versus[run.name]  # as predicted when it ran, before the planner was calibrated on it
+    if state.calibration is not None and state.calibration[1] != run.name:
+        hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}"
     else:
-        dp, tp, pp = dims
-        layout = "tp-pp" if tp > 1 and pp > 1 else ("tp" if tp > 1 else "pp")
-        note = ("the planner splits every parameter over tp x pp (Megatron's approximation); here embeddings, "
-                "norms and row-parallel biases stay whole under tp, and stages differ in size under pp"
-                + ("; FSDP over dp shards further (not predicted)" if run.strategy == "fsdp" and dp > 1 else ""))
-    e = estimate(layout, shape, Training(precision=precision), hw, tp=tp, pp=pp)
-    print(f"run {run.name!r} ({run.strategy}, {precision}, {run.world_size} ranks): model states in bytes")
-    print(f"{'category':<12} {'predicted':>14} " + " ".join(f"{'rank ' + str(r):>14}" for r in range(run.world_size)))
-    measured = [peak_ledger(run, r) for r in range(run.world_size)]
-    rows = [("params", ["params"]), ("grads", ["grads"]), ("optimizer", ["master_params", "optimizer_state", "other"])]
-    for name, cats in rows:
-        vals = [sum(m[c] for c in cats) for m in measured]
-        print(f"{name:<12} {int(e.device.get(name, 0)):>14,} " + " ".join(f"{v:>14,}" for v in vals))
-    if note:
-        print(f"note: {note}")
+        hw, source = calibrate(run), "calibrated on this run (its times fit by construction)"
+    if state.commbench is not None and "all_reduce" in state.commbench.fits:
+        hw, source = hw.with_commbench(state.commbench), source + "; link from %commbench"
+    return versus(run, hw, source)
+
+
+def after_run(state: Session, run, show: bool) -> None:
+    """After a good strategy run: its predicted-vs-measured table, what became of advice it followed,
+    new advice; then calibrate the planner on it."""
+    from ..plan.advice import followed, suggest
+    from ..plan.versus import calibrate, spec_of
+    from ..spec import line_of
+
+    if not run.description.param_numels:
+        return  # the cell never called strategy.prepare
+    result = state.versus[run.name] = versus_for(state, run)
+    line = line_of(spec_of(run))
+    taken = [s for s in state.advice if s.line == line]
+    state.advice = suggest(run, result)
+    if show:
+        print(result.text())
+        for s in taken:
+            print(followed(run, s))
+        for i, s in enumerate(state.advice, 1):
+            print(s.text(i))
+    state.calibration = (calibrate(run), run.name)

@@ -100,6 +100,10 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
             print(f"DeepSpeed config written to {export_config}")
     if metrics and run.timelines and not quiet:
         _show_timelines(run, in_kernel)
+    if metrics:
+        from .plan import after_run
+
+        after_run(state, run, show=watch and not quiet)
     return run if metrics else None
 
 
@@ -155,4 +159,4 @@ def compare(state: Session, cluster: RankCluster, code: str, runs: list[tuple[st
             print(f"--- {name} ---")
         recorded.append(run_strategy(state, cluster, code, spec, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
                                      name=name, collective_timeout=collective_timeout))
-    show_comparison(recorded, in_kernel)
+    show_comparison(recorded, in_kernel, state=state)

@@ -30,11 +30,18 @@ Sources, per figure:
   s b V x 6 bytes (bf16 logits and fp32 loss); fp32 training doubles
   activations.
 - communication per optimizer step, in bus bytes (S x nccl-tests factor):
-  DDP all-reduce 2 (n-1)/n Psi g; ZeRO-1/2 and FSDP without resharding
-  reduce-scatter gradients and all-gather parameters, 2 (n-1)/n Psi; ZeRO-3
-  and FSDP all-gather twice, 3 (n-1)/n Psi (ZeRO paper section 7); tensor
+  DDP all-reduce 2 (n-1)/n Psi g; FSDP without resharding reduce-scatters
+  gradients and all-gathers parameters, 2 (n-1)/n Psi; FSDP all-gathers
+  twice, 3 (n-1)/n Psi (ZeRO paper section 7). DeepSpeed, as measured by
+  nbtool's recorder: ZeRO-1/2 all-reduce the gradient buckets
+  (``use_multi_rank_bucket_allreduce``, its default) and all-gather the
+  updated partitions, 3 (n-1)/n Psi rather than the paper's 2; ZeRO-3
+  reduce-scatters gradients and gathers each tensor above the persistence
+  threshold twice, the smaller ones (whole on every rank) once after the
+  step (counted when the model's tensor sizes are known); tensor
   parallelism 4 all-reduces of s b h per layer per micro-batch (Megatron);
-  pipelines 2 sends of s b h per micro-batch per stage boundary.
+  pipelines 2 sends of s b h per micro-batch per stage boundary (16-bit, or
+  fp32 without mixed precision).
 - time: compute = 6 Psi tokens (x 4/3 with full recomputation) / (peak
   FLOPs x 40% utilisation); data-parallel communication overlaps backward
   (2/3 of compute) and only the excess is exposed; tensor-parallel and
@@ -52,7 +59,7 @@ from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
 from .inputs import Hardware, ModelShape, Training, format_gb
-from .model_states import expected_ledger
+from .model_states import PERSISTENCE_THRESHOLD, expected_ledger
 
 MFU = 0.4
 RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
@@ -185,7 +192,9 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
     return count * alpha + bus_bytes / bw
 
 
-def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1) -> Estimate:
+def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
+             persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Estimate:
+    """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold (DeepSpeed's default)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -223,7 +232,9 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             s, b, h = seq, t.micro_batch, m.hidden
             micro = t.grad_accum
             if h:
-                p2p = 2 * micro * s * b * h * 2
+                # activations forward and their gradients back, each sent by one stage and received by the
+                # next (the recorder counts both ends), in the activations' dtype
+                p2p = 2 * micro * s * b * h * (2 if mixed else 4)
                 e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
                 e.comm_bus_bytes += p2p
             e.bubble_s = e.compute_s * bubble_fraction(pp, micro)
@@ -239,7 +250,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
     ledger_based = not layout.is_zero or not (mixed and adam)
     if ledger_based:
-        led = expected_ledger(layout.strategy, t.precision, numels, n, optimizer="adam" if adam else "sgd")
+        led = expected_ledger(layout.strategy, t.precision, numels, n, optimizer="adam" if adam else "sgd",
+                              persistence_threshold=persistence_threshold)
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
         if layout.is_zero and layout.offload:
@@ -280,7 +292,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 e.device.update(buffers=4 * largest)
                 e.host = psi * 18 * 1.5 / hw.nodes
         w = 2 if mixed else 4
-        bus = frac * psi * (w + g) if stage < 3 else frac * psi * (2 * w + g)
+        if stage < 3:  # gradients all-reduced (DeepSpeed's bucket all-reduce), updated partitions gathered
+            bus = frac * psi * (2 * g + w)
+        else:  # tensors at most the persistence threshold stay whole: gathered once, after the step
+            persistent = sum(k for k in m.numels if k <= persistence_threshold)
+            bus = frac * (g * psi + 2 * w * (psi - persistent) + w * persistent)
         collectives = 2 if stage < 3 else 3 * (m.layers or 1)
         if layout.offload:
             moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device

@@ -48,8 +48,12 @@ def paper_bytes(stage: int, psi: int, nd: int, k: int = 12) -> dict:
     return full
 
 
+# DeepSpeed's default stage3_param_persistence_threshold: ZeRO-3 keeps smaller tensors whole on every rank
+PERSISTENCE_THRESHOLD = 100_000
+
+
 def expected_ledger(strategy: str, precision: str, numels: list[int], nd: int, *,
-                    offload: str | None = None, persistence_threshold: int = 100_000,
+                    offload: str | None = None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                     optimizer: str = "adam") -> dict:
     """Bytes per rank by ledger category for ``strategy`` on parameters of sizes ``numels``.
 

@@ -91,8 +91,15 @@ def finish(want_summary: bool = True) -> dict:
             out["description"] = RunDescription(
                 details=dict(_last.describe()), param_numels=list(_last._param_numels),
                 precision=_last.spec.precision, reshard_after_forward=_last.spec.reshard_after_forward,
-                dims=tuple(dims) if dims is not None else None)
+                dims=tuple(dims) if dims is not None else None, model_shape=dict(_last._model_shape),
+                batch=dict(_last.batch_seen), spec=_spec_fields(_last.spec))
     return out
+
+
+def _spec_fields(spec: StrategySpec) -> dict:
+    from dataclasses import fields
+
+    return {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "ds_config"}
 
 
 def checkpoint(action: str, path: str, optimizer: bool = True) -> dict:

@@ -63,6 +63,8 @@ class Strategy:
         self.loss_fn = None  # prepare(..., loss_fn=) for forward_backward
         self._plan_arg = None  # prepare(..., plan=) for tensor parallelism
         self._plain = None  # the model as the strategy holds it, before any outer wrapper
+        self._model_shape: dict = {}  # layers, hidden, heads, vocab of the plain model (for the planner)
+        self.batch_seen: dict = {}  # samples and tokens of the first batch strategy.dataloader gave
         _seed_everything(spec.seed)
 
     # -- the cell contract ---------------------------------------------------
@@ -145,6 +147,7 @@ class Strategy:
         self.loss_fn, self._plan_arg = loss_fn, plan
         self._check_model(model)
         self._param_numels = [p.numel() for p in model.parameters()]
+        self._model_shape = _shape_of(model)
         if self.spec.activation_checkpointing is not None:
             self._apply_activation_checkpointing(model)
         wrapped, inner = self._wrap(model, optimizer)
@@ -189,7 +192,7 @@ class Strategy:
                                      shuffle=shuffle, seed=self.spec.seed, drop_last=drop_last)
         loader = DataLoader(dataset, batch_size=batch_size or self.spec.micro_batch,
                             sampler=sampler, **kwargs)
-        return _EpochLoader(loader, sampler, self.device)
+        return _EpochLoader(loader, sampler, self.device, self.batch_seen)
 
     @property
     def dp_rank(self) -> int:
@@ -484,3 +487,11 @@ class Description(dict):
 
     def __repr__(self) -> str:
         return str(self)
+
+
+def _shape_of(model: nn.Module) -> dict:
+    """What the planner needs of the model's structure (nbtool.plan.ModelShape.from_module's fields)."""
+    from ...plan.inputs import ModelShape
+
+    shape = ModelShape.from_module(model)
+    return {k: getattr(shape, k) for k in ("layers", "hidden", "heads", "vocab", "largest_layer")}

@@ -1,0 +1,129 @@
+"""Advice on communication from a run's own numbers: at most three exact ``%%distributed`` lines.
+
+Pure Python. Each suggestion names the line to run, why (the measured figure
+that prompted it), and what the planner predicts it changes: bytes per step,
+collectives per step, memory, step time. The kernel keeps the suggestions;
+running a suggested line prints the measured change next to the predicted
+one (``followed``).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from .. import run_analysis
+from ..metrics import format_bytes
+from ..spec import line_of
+from .estimate import estimate
+from .versus import Versus, planner_inputs, spec_of
+
+MAX_SUGGESTIONS = 3
+BUCKET_OPS = ("all_reduce",)
+
+
+@dataclass
+class Suggestion:
+    line: str  # what follows %%distributed
+    why: str
+    figure: str  # the measured figure it moves: "bus bytes / step", "collectives / step", "bubble"
+    before: float  # measured on the run it was made from
+    predicted: float  # the planner's figure after the change
+    effect: str  # the predicted effect, for people
+    base_run: str
+
+    def text(self, i: int) -> str:
+        return f"advice {i}: %%distributed {self.line}\n    {self.why}; predicted: {self.effect}"
+
+
+def measure(run, figure: str) -> float | None:
+    """The figure a suggestion moves, measured on ``run`` (rank 0, mean of steps 2..N)."""
+    summary = run_analysis.summary(run)
+    if figure == "bus bytes / step":
+        return summary["bus_bytes_per_step"]
+    if figure == "collectives / step":
+        return sum(n for op, n in summary["collectives_per_step"].items() if op in BUCKET_OPS)
+    if figure == "bubble":
+        rows = run_analysis.bubble_table(run)
+        return sum(r["bubble"] for r in rows) / len(rows) if rows else None
+    raise ValueError(figure)
+
+
+def suggest(run, result: Versus) -> list[Suggestion]:
+    """Up to three suggestions for ``run``, largest predicted step-time saving first."""
+    spec = spec_of(run)
+    layout, shape, training, tp, pp = planner_inputs(run)
+    e, hw = result.estimate, result.hardware
+    out = []
+    summary = run_analysis.summary(run)
+    alpha, _ = hw.bandwidth(run.world_size)
+    if spec.name == "ddp":
+        buckets = measure(run, "collectives / step")
+        grads_mb = 4 * shape.params / 2**20
+        bucket_mb = max(1, math.ceil(grads_mb * 1.05))  # every gradient in one bucket
+        if buckets >= 2 and (spec.bucket_mb or 25) < bucket_mb * 4:
+            saved = (buckets - 1) * alpha
+            out.append((saved, Suggestion(
+                line_of(replace(spec, bucket_mb=float(bucket_mb))),
+                f"{buckets:.0f} gradient all-reduces per step, each paying the link's latency "
+                f"(alpha {alpha * 1e6:.0f} us measured)", "collectives / step", buckets, 1.0,
+                f"1 all-reduce per step (all {format_bytes(4 * shape.params)} of gradients in one bucket), "
+                f"step time {-saved * 1e3:+.1f} ms; no overlap of the all-reduce with backward left", run.name)))
+    if spec.name == "fsdp" and spec.reshard_after_forward and pp == 1 and tp == 1:
+        e2 = estimate("fsdp-grad-op", shape, training, hw)
+        before = summary["bus_bytes_per_step"]
+        after = before * e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else before
+        extra = e2.device_total - e.device_total
+        out.append((e.step_s - e2.step_s, Suggestion(
+            line_of(replace(spec, reshard_after_forward=False)),
+            f"every unit is all-gathered twice per step ({format_bytes(before)} bus bytes measured)",
+            "bus bytes / step", before, after,
+            f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
+            f"memory +{format_bytes(extra)} (units stay gathered from forward to backward), "
+            f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
+    if spec.is_zero and not spec.overlap_comm and (summary["exposed_s_per_step"] or 0) > 0.1 * summary["step_s"]:
+        exposed = summary["exposed_s_per_step"]
+        out.append((exposed / 2, Suggestion(
+            line_of(replace(spec, overlap_comm=True)),
+            f"{exposed * 1e3:.1f} ms per step blocked on collectives "
+            f"({exposed / summary['step_s']:.0%} of the step)", "bus bytes / step",
+            summary["bus_bytes_per_step"], summary["bus_bytes_per_step"],
+            "the same bytes, reduced while backward runs; exposed time down by up to the backward's length",
+            run.name)))
+    if pp > 1:
+        m = training.grad_accum
+        bubble = measure(run, "bubble")
+        if bubble is not None and bubble > 0.15:
+            from ..spec import bubble_fraction
+
+            e2 = estimate(layout, shape, replace(training, grad_accum=2 * m,
+                                                 micro_batch=max(1, training.micro_batch // 2)), hw, tp=tp, pp=pp)
+            out.append((e.step_s - e2.step_s, Suggestion(
+                line_of(replace(spec, microbatches=2 * m)),
+                f"the pipeline idles {bubble:.0%} of each step with {m} micro-batches", "bubble", bubble,
+                bubble_fraction(pp, 2 * m),
+                f"bubble {bubble_fraction(pp, m):.0%} -> {bubble_fraction(pp, 2 * m):.0%} in theory "
+                f"((p-1)/(m+p-1)), step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
+    if spec.precision == "fp32" and spec.name in ("fsdp", "zero2", "zero3") and any(
+            s.cuda_reserved is not None for s in run.memory):  # on CPU ranks bf16 computes no faster
+        e2 = estimate(layout, shape, replace(training, precision="bf16"), hw, tp=tp, pp=pp)
+        out.append((e.step_s - e2.step_s, Suggestion(
+            line_of(replace(spec, precision="bf16")), "fp32 parameters are gathered in 4 bytes each",
+            "bus bytes / step", summary["bus_bytes_per_step"],
+            summary["bus_bytes_per_step"] * e2.comm_bus_bytes / max(e.comm_bus_bytes, 1),
+            f"bus bytes/step x{e2.comm_bus_bytes / max(e.comm_bus_bytes, 1):.2f}, "
+            f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
+    out.sort(key=lambda x: -x[0])
+    return [s for _, s in out[:MAX_SUGGESTIONS]]
+
+
+def followed(run, suggestion: Suggestion) -> str:
+    """The measured change next to the predicted one, for a run of a suggested line."""
+    after = measure(run, suggestion.figure)
+    fmt = (format_bytes if suggestion.figure == "bus bytes / step"
+           else (lambda v: f"{v:.0%}") if suggestion.figure == "bubble" else (lambda v: f"{v:.1f}"))
+    moved = "as predicted" if after is not None and (after - suggestion.before) * (
+        suggestion.predicted - suggestion.before) > 0 or after == suggestion.predicted == suggestion.before \
+        else "not as predicted"
+    return (f"advice followed (from run {suggestion.base_run!r}): {suggestion.figure} "
+            f"{fmt(suggestion.before)} -> measured {fmt(after) if after is not None else '-'}, "
+            f"predicted {fmt(suggestion.predicted)} ({moved})")

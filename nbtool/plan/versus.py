@@ -1,0 +1,285 @@
+"""Predicted next to measured for one recorded run, and a Hardware calibrated from a run.
+
+Pure Python. ``versus(run, hw)`` asks the planner (nbtool.plan.estimate) to
+predict the run it was given, with the model, batch and options the ranks
+recorded, and puts each figure next to what was measured, saying what the
+measurement is. ``calibrate(run)`` builds the Hardware that run implies: the
+alpha-beta link fit from its own collectives (as ``%commbench`` fits its
+sweep) and the compute rate it achieved. Predicting a run with the
+calibration of the same run fits its times by construction, so the kernel
+predicts each run from the previous one's calibration (and ``%commbench``).
+"""
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field, replace
+
+from .. import run_analysis
+from ..spec import StrategySpec
+from .estimate import MFU, Estimate, estimate
+from .inputs import Hardware, ModelShape, Training
+
+# tolerances: exact for the ledger, 2% for bytes per step (a loss all_reduce of a few bytes rides along)
+DETERMINISTIC = ("model states", "bus bytes / step")
+TOLERANCE = {"model states": 0.0, "bus bytes / step": 0.02, "peak tensor memory": 0.10, "step time": 0.25}
+
+
+@dataclass
+class Row:
+    figure: str
+    measured: float | None
+    predicted: float | None
+    unit: str  # "B", "s", "tokens/s", "FLOP/s"
+    source: str  # what the measured figure is
+    tolerance: float | None = None  # relative; None: shown, not judged
+    note: str = ""  # which term of the model is off, when it is
+
+    @property
+    def error(self) -> float | None:
+        """(predicted - measured) / measured."""
+        if self.measured is None or self.predicted is None or not self.measured:
+            return None
+        return (self.predicted - self.measured) / self.measured
+
+    @property
+    def within(self) -> bool | None:
+        err = self.error
+        if err is None or self.tolerance is None:
+            return None
+        return abs(err) <= self.tolerance + 1e-12
+
+
+@dataclass
+class Versus:
+    run_name: str
+    rows: list
+    estimate: Estimate
+    hardware: Hardware
+    hardware_source: str  # where the link and compute figures came from
+    notes: list = field(default_factory=list)
+    run: object = field(default=None, repr=False, compare=False)  # the RunRecords predicted
+
+    def row(self, figure: str) -> Row:
+        return next(r for r in self.rows if r.figure == figure)
+
+    def text(self, deterministic: bool = False) -> str:
+        """The table; ``deterministic``: only the rows that do not vary between runs (bytes)."""
+        from ..metrics import format_bytes
+
+        def fmt(v, unit):
+            if v is None:
+                return "-"
+            if unit == "B":
+                return format_bytes(v)
+            if unit == "s":
+                return f"{v * 1e3:.1f} ms"
+            return f"{v:.3g} {unit}"
+
+        head = f"predicted vs measured, run {self.run_name!r}" + (
+            "" if deterministic else f" (planner's link and compute: {self.hardware_source})")
+        cells = [(r.figure, fmt(r.measured, r.unit), fmt(r.predicted, r.unit),
+                  "-" if r.error is None else _percent(r.error)
+                  + ("" if r.within is None else (" ok" if r.within else f" (> {r.tolerance:.0%})")),
+                  r.source + (f"; {r.note}" if r.note else "")) for r in self.rows
+                 if not deterministic or r.figure in DETERMINISTIC]
+        cols = ("figure", "measured", "predicted", "error", "measured as")
+        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols[:-1])]
+        lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths + [0])).rstrip()]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths + [0])).rstrip() for row in cells]
+        return "\n".join(lines + ([] if deterministic else [f"note: {n}" for n in self.notes]))
+
+    __str__ = text
+
+
+def _percent(x: float) -> str:
+    return f"{x:+.1%}" if abs(x) >= 0.0005 else "+0.0%"  # no "-0.0%" for a few bytes' difference
+
+
+def error_table(results: list, deterministic: bool = False) -> str:
+    """One line per run: the planner's error on each judged figure (``%dist_compare``)."""
+    figures = DETERMINISTIC if deterministic else DETERMINISTIC + ("peak tensor memory", "step time")
+    cells = []
+    for v in results:
+        row = [v.run_name]
+        for f in figures:
+            r = v.row(f)
+            row.append("-" if r.error is None else _percent(r.error)
+                       + ("" if r.within is None else " ok" if r.within else " off"))
+        cells.append(row)
+    cols = ("planner's error (predicted - measured) / measured",) + figures
+    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
+    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); %dist_plan --vs-last for the figures"])
+
+
+def spec_of(run) -> StrategySpec:
+    fields = dict(run.description.spec)
+    if isinstance(fields.get("wrap"), list):
+        fields["wrap"] = tuple(fields["wrap"])
+    return StrategySpec(**fields) if fields else StrategySpec(run.strategy)
+
+
+def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
+    """(layout, model shape, training setup, tp, pp) the planner needs to predict ``run``."""
+    desc = run.description
+    if not desc.param_numels:
+        raise ValueError(f"run {run.name!r} has no model description (did the cell call strategy.prepare?)")
+    spec = spec_of(run)
+    batch = desc.batch or {}
+    shape = ModelShape(sum(desc.param_numels), numels=tuple(desc.param_numels), seq=batch.get("seq"),
+                       **{k: desc.model_shape.get(k) for k in ("layers", "hidden", "heads", "vocab", "largest_layer")})
+    tp = pp = 1
+    if desc.dims is not None:
+        _, tp, pp = desc.dims
+        layout = "tp-pp" if tp > 1 and pp > 1 else ("tp" if tp > 1 else "pp")
+    elif run.strategy == "fsdp":
+        layout = "fsdp" if spec.reshard_after_forward else "fsdp-grad-op"
+    elif spec.is_zero and spec.offload:
+        layout = {"zero2": "zero2-offload"}.get(run.strategy) or (
+            "zero3-offload" if spec.offload == "both" else "zero3-offload-optimizer")
+    else:
+        layout = run.strategy
+    ledger = run_analysis.peak_ledger(run, 0)
+    micro = batch.get("samples") or 1
+    accum = (spec.microbatches or 2 * pp) if pp > 1 else spec.grad_accum
+    if pp > 1:
+        micro = max(1, micro // accum)  # the batch is split into micro-batches
+    training = Training(micro_batch=micro, seq=batch.get("seq"), precision=desc.precision,
+                        optimizer="adamw" if ledger["optimizer_state"] else "sgd", grad_accum=accum,
+                        checkpointing="full" if spec.activation_checkpointing is not None else "none")
+    return layout, shape, training, tp, pp
+
+
+def persistence_threshold(run) -> int:
+    """ZeRO-3's stage3_param_persistence_threshold in the DeepSpeed config the run used."""
+    from .model_states import PERSISTENCE_THRESHOLD
+
+    zero = (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
+    return int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD))
+
+
+def measured_compute_s(run) -> float | None:
+    """Mean seconds per step on rank 0 outside communication (steps 2..N)."""
+    steps = run_analysis.step_table(run, 0)
+    return statistics.fmean(s["compute_s"] for s in steps) if steps else None
+
+
+def calibrate(run, base: Hardware | None = None) -> Hardware:
+    """The Hardware ``run`` implies: its collectives' alpha-beta fit and its achieved compute rate.
+
+    Link: a weighted least-squares fit of seconds = alpha + bus bytes / B over
+    the run's wall-timed collectives (blocking ones when they span two sizes
+    or more, else all). Compute: peak_flops such that the planner's compute
+    term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
+    outside communication. The returned Hardware's name says which of the two the run measured.
+    """
+    from ..commbench import fit_alpha_beta
+
+    hw = base or Hardware("this machine", 1, run.world_size, 0.0, 0.0, 1e9, 1e9)
+    what = []  # the figures this run measured, named in hw.name
+    comms = [c for c in run.comms if c.clock == "wall" and c.seconds > 0 and c.bus_bytes > 0]
+    blocking = [c for c in comms if not c.asynchronous]
+    use = blocking if len({c.bus_bytes for c in blocking}) >= 2 else comms
+    if len({c.bus_bytes for c in use}) >= 2:
+        # bus bytes already carry each op's factor: fit them as an op of factor 1 (broadcast)
+        fit = fit_alpha_beta("broadcast", run.world_size, [c.bus_bytes for c in use], [c.seconds for c in use])
+        if fit.bus_bandwidth > 0 and fit.bus_bandwidth != float("inf"):
+            hw = replace(hw, intra_latency=max(fit.alpha_s, 0.0), inter_latency=max(fit.alpha_s, 0.0),
+                         intra_bw=fit.bus_bandwidth, inter_bw=fit.bus_bandwidth, measured=True)
+            what.append(f"link (alpha {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s)")
+    compute = measured_compute_s(run)
+    try:
+        layout, shape, training, tp, pp = planner_inputs(run)
+    except ValueError:
+        return replace(hw, name=", ".join(what) or "nothing measured")
+    tokens = training.micro_batch * (training.seq or 1) * training.grad_accum
+    if compute and tokens:
+        mixed = training.precision in ("bf16", "fp16")
+        flops = 6 * shape.params * tokens * (4 / 3 if training.checkpointing == "full" else 1) / (tp * pp)
+        if pp > 1:  # the measured compute holds the bubble too; the planner adds it on top
+            from ..spec import bubble_fraction
+
+            compute *= 1 - bubble_fraction(pp, training.grad_accum)
+        hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
+        what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved)")
+    return replace(hw, name=", ".join(what) or "nothing measured")
+
+
+def versus(run, hw: Hardware, hardware_source: str) -> Versus:
+    """Each figure of ``run`` next to the planner's prediction with ``hw`` (see the module docstring)."""
+    from ..metrics import format_bytes
+
+    layout, shape, training, tp, pp = planner_inputs(run)
+    hw = replace(hw, nodes=1, devices_per_node=run.world_size)
+    e = estimate(layout, shape, training, hw, tp=tp, pp=pp, persistence_threshold=persistence_threshold(run))
+    summary = run_analysis.summary(run)
+    rows, notes = [], []
+    states = {r: sum(led.values()) for r, led in summary["ledger"].items()}
+    predicted_states = sum(e.device.get(k, 0) for k in ("params", "grads", "optimizer"))
+    mesh = layout.startswith(("tp", "pp"))
+    # the ledger theory is exact where the planner uses it; ZeRO in mixed precision with Adam uses
+    # DeepSpeed's own estimator instead (see nbtool.plan.estimate)
+    ledger_based = not mesh and (not run.strategy.startswith("zero") or training.precision == "fp32"
+                                 or training.optimizer == "sgd")
+    rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
+                    "ledger (bytes of the tensors each rank owns), max rank",
+                    TOLERANCE["model states"] if ledger_based else None,
+                    "the planner splits every parameter over tp x pp; embeddings, norms and biases stay whole"
+                    if mesh else "" if ledger_based else "DeepSpeed's estimator, not the ledger theory"))
+    if len(set(states.values())) > 1:  # ranks differ (pipeline stages, uneven shards): each one's
+        rows += [Row(f"  model states, rank {r}", b, predicted_states, "B", "ledger") for r, b in sorted(states.items())]
+    by_op = ", ".join(f"{op} {format_bytes(b)}" for op, b in summary["comm_bytes_per_step"].items() if b)
+    rows.append(Row("bus bytes / step", summary["bus_bytes_per_step"] or None, e.comm_bus_bytes, "B",
+                    f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
+                    TOLERANCE["bus bytes / step"] if not mesh else None))
+    peak, source, parts = _peak_tensors(run)
+    rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
+                    TOLERANCE["peak tensor memory"] if peak is not None else None,
+                    _activation_note(parts, e, training) if peak is not None else ""))
+    step_s = summary["step_s"] or None
+    rows.append(Row("step time", step_s, e.step_s, "s", "wall time on rank 0, mean of steps 2..N",
+                    TOLERANCE["step time"]))
+    rows.append(Row("  compute", measured_compute_s(run), e.compute_s + e.bubble_s, "s",
+                    "step time minus comm busy time" + (" (bubble included)" if pp > 1 else "")))
+    rows.append(Row("  exposed comm", summary["exposed_s_per_step"], e.exposed_comm_s, "s",
+                    "thread blocked on collectives" if summary["exposed_s_per_step"] is not None
+                    else "not observable here (DDP's reducer waits in C++; CUDA ranks time the device)"))
+    if pp > 1:
+        bubble = run_analysis.bubble_table(run)
+        measured = statistics.fmean(b["idle_s"] for b in bubble) if bubble else None
+        rows.append(Row("  bubble", measured, e.bubble_s, "s", "pipeline stages' idle time, mean over stages"))
+    tokens = training.micro_batch * (training.seq or 0) * training.grad_accum * e.dp
+    if tokens and step_s:
+        rows.append(Row("throughput", tokens / step_s, tokens / e.step_s, "tokens/s", "tokens per step / step time"))
+        flops = 6 * shape.params * tokens / run.world_size
+        rows.append(Row("achieved FLOP/s per rank", flops / step_s, flops / e.step_s, "FLOP/s",
+                        "estimate: 6 Psi per token / step time"))
+    if hw.measured is False:
+        notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
+    return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
+
+
+def _peak_tensors(run) -> tuple[float | None, str, dict]:
+    cuda = [m.cuda_peak for m in run.memory if m.cuda_peak is not None]
+    if cuda:
+        return max(cuda), "CUDA allocator peak (max_memory_allocated), max rank", {}
+    if run.timelines:
+        best = max(run.timelines, key=lambda t: max(t.totals(), default=0))
+        _, parts = best.peak()
+        return sum(parts.values()), "tracked tensors at their peak (--memory-timeline), max rank", parts
+    return None, "not measured on CPU ranks without --memory-timeline", {}
+
+
+def _activation_note(parts: dict, e: Estimate, t: Training) -> str:
+    measured = sum(parts.get(c, 0) for c in ("activation", "temporary", "autograd_detail"))
+    predicted = e.device.get("activations", 0)
+    if not measured or not predicted:
+        return ""
+    ratio = measured / predicted
+    if 0.8 <= ratio <= 1.25:
+        return ""
+    why = ("fp32 kernels and unfused attention save more than the 16-bit formula assumes"
+           if ratio > 1 and t.precision == "fp32" else "Korthikanti's per-layer count does not fit this model")
+    return f"activations measured {ratio:.2f}x predicted: {why}"
