@@ -141,8 +141,8 @@ class StrategySpec:
     # "" or a directory for the files; None: off (nbtool.rank.memory_timeline)
     memory_timeline: str | None = option(
         None, group="recording options", nargs="?", const="", metavar="DIR", compare=False,
-        help="record every rank's tensor memory by category (torch.profiler's memory profile; several times "
-             "slower) and plot it under the cell; with DIR also write torch's memory-timeline JSON and, on "
+        help="record every rank's tensor memory by category (torch.profiler's memory profile; slower steps, "
+             "and an analysis after the cell) and plot it under the cell; with DIR also write torch's memory-timeline JSON and, on "
              "CUDA ranks, the allocator snapshot for pytorch.org/memory_viz")
 
     @property

@@ -14,7 +14,9 @@ Sources, per figure:
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
   gradients, fp32 master weights, Adam moments), stage 3 plus one largest
   layer in fp32; with offload the partitioned states move to the host
-  (x 1.5 buffer factor, as DeepSpeed estimates). ZeRO-1 keeps the full
+  (x 1.5 buffer factor, as DeepSpeed estimates). Every ZeRO stage adds its
+  contiguous gradient bucket: reduce_bucket_size elements of the gradient
+  dtype (5e8 by default, whatever the model's size; measured). ZeRO-1 keeps the full
   16-bit gradients: 4 Psi + 16 Psi / N.
 - activations: Korthikanti et al. 2022 ("Reducing Activation Recomputation
   in Large Transformer Models", table 2), bytes per layer with 16-bit
@@ -37,9 +39,12 @@ Sources, per figure:
   (``use_multi_rank_bucket_allreduce``, its default) and all-gather the
   updated partitions, 3 (n-1)/n Psi rather than the paper's 2; ZeRO-3
   reduce-scatters gradients and gathers each tensor above the persistence
-  threshold twice, the smaller ones (whole on every rank) once after the
-  step (counted when the model's tensor sizes are known); tensor
-  parallelism 4 all-reduces of s b h per layer per micro-batch (Megatron);
+  threshold twice (once when they add up to at most the reuse limit,
+  stage3_max_reuse_distance / max_live_parameters: kept gathered for
+  backward), the smaller ones (whole on every rank) once after the step
+  (counted when the model's tensor sizes are known); tensor
+  parallelism 4 all-reduces of s b h per layer per micro-batch (Megatron; in
+  the activations' dtype);
   pipelines 2 sends of s b h per micro-batch per stage boundary (16-bit, or
   fp32 without mixed precision).
 - time: compute = 6 Psi tokens (x 4/3 with full recomputation) / (peak
@@ -64,6 +69,12 @@ from .model_states import PERSISTENCE_THRESHOLD, expected_ledger
 MFU = 0.4
 RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
 DDP_BUCKET = 25 * 2**20
+# DeepSpeed's default reduce_bucket_size (elements): ZeRO allocates a gradient bucket of this many
+# elements of the gradient dtype whatever the model's size (measured: 2 GB in fp32 on CPU ranks)
+REDUCE_BUCKET = 500_000_000
+# DeepSpeed's default stage3_max_reuse_distance and stage3_max_live_parameters: ZeRO-3 keeps parameters
+# gathered in forward for backward while the partitioned ones add up to at most this many elements
+REUSE_LIMIT = 1_000_000_000
 DEFAULT_SEQ = 2048
 
 
@@ -193,8 +204,11 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
 
 
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
-             persistence_threshold: int = PERSISTENCE_THRESHOLD) -> Estimate:
-    """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold (DeepSpeed's default)."""
+             persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
+             reuse_limit: int = REUSE_LIMIT) -> Estimate:
+    """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
+    reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
+    stage3_max_live_parameters (DeepSpeed's defaults)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -224,7 +238,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
-            bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * 2 * t.grad_accum
+            bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * (2 if mixed else 4) * t.grad_accum
             e.comm_s += _collective_s(hw, tp, 4 * layers_here * t.grad_accum, bus_tp)
             e.comm_bus_bytes += bus_tp
             e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
@@ -291,12 +305,18 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             elif layout == ZERO3_OFFLOAD:
                 e.device.update(buffers=4 * largest)
                 e.host = psi * 18 * 1.5 / hw.nodes
+        e.device["buffers"] = e.device.get("buffers", 0) + reduce_bucket * g  # the contiguous reduce bucket
         w = 2 if mixed else 4
         if stage < 3:  # gradients all-reduced (DeepSpeed's bucket all-reduce), updated partitions gathered
             bus = frac * psi * (2 * g + w)
         else:  # tensors at most the persistence threshold stay whole: gathered once, after the step
             persistent = sum(k for k in m.numels if k <= persistence_threshold)
-            bus = frac * (g * psi + 2 * w * (psi - persistent) + w * persistent)
+            gathered = psi - persistent
+            # measured: gathered once when they fit the reuse limit (kept for backward), else twice
+            regather = gathered > reuse_limit or not m.numels
+            bus = frac * (g * psi + (2 if regather else 1) * w * gathered + w * persistent)
+            if not regather:
+                e.device["buffers"] += w * gathered / n * (n - 1)  # the others' shards, kept gathered
         collectives = 2 if stage < 3 else 3 * (m.layers or 1)
         if layout.offload:
             moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device

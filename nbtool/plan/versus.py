@@ -152,12 +152,9 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     return layout, shape, training, tp, pp
 
 
-def persistence_threshold(run) -> int:
-    """ZeRO-3's stage3_param_persistence_threshold in the DeepSpeed config the run used."""
-    from .model_states import PERSISTENCE_THRESHOLD
-
-    zero = (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
-    return int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD))
+def _zero_config(run) -> dict:
+    """The zero_optimization section of the DeepSpeed config the run used ({} for other strategies)."""
+    return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
 
 
 def measured_compute_s(run) -> float | None:
@@ -170,8 +167,9 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     """The Hardware ``run`` implies: its collectives' alpha-beta fit and its achieved compute rate.
 
     Link: a weighted least-squares fit of seconds = alpha + bus bytes / B over
-    the run's wall-timed collectives (blocking ones when they span two sizes
-    or more, else all). Compute: peak_flops such that the planner's compute
+    the median time per size of the run's wall-timed collectives (blocking
+    ones when they span two sizes or more, else all; the slope between the
+    smallest and largest size where the fit comes out negative). Compute: peak_flops such that the planner's compute
     term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
     outside communication. The returned Hardware's name says which of the two the run measured.
     """
@@ -182,13 +180,19 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     comms = [c for c in run.comms if c.clock == "wall" and c.seconds > 0 and c.bus_bytes > 0]
     blocking = [c for c in comms if not c.asynchronous]
     use = blocking if len({c.bus_bytes for c in blocking}) >= 2 else comms
-    if len({c.bus_bytes for c in use}) >= 2:
-        # bus bytes already carry each op's factor: fit them as an op of factor 1 (broadcast)
-        fit = fit_alpha_beta("broadcast", run.world_size, [c.bus_bytes for c in use], [c.seconds for c in use])
-        if fit.bus_bandwidth > 0 and fit.bus_bandwidth != float("inf"):
-            hw = replace(hw, intra_latency=max(fit.alpha_s, 0.0), inter_latency=max(fit.alpha_s, 0.0),
-                         intra_bw=fit.bus_bandwidth, inter_bw=fit.bus_bandwidth, measured=True)
-            what.append(f"link (alpha {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s)")
+    by_size: dict = {}
+    for c in use:
+        by_size.setdefault(c.bus_bytes, []).append(c.seconds)
+    if len(by_size) >= 2:  # one median per size: a few slow calls (a straggler, a page fault) do not steer it
+        sizes = sorted(by_size)
+        times = [statistics.median(by_size[k]) for k in sizes]
+        fit = fit_alpha_beta("broadcast", run.world_size, sizes, times)  # bus bytes: factor 1
+        alpha, bw = fit.alpha_s, fit.bus_bandwidth
+        if not (0 < bw < float("inf")) or alpha < 0:  # noisy in-flight times: the two ends' slope instead
+            alpha = max(0.0, times[0] - sizes[0] * (times[-1] - times[0]) / (sizes[-1] - sizes[0]))
+            bw = (sizes[-1] - sizes[0]) / max(times[-1] - times[0], 1e-9)
+        hw = replace(hw, intra_latency=alpha, inter_latency=alpha, intra_bw=bw, inter_bw=bw, measured=True)
+        what.append(f"link (alpha {alpha * 1e6:.0f} us, B {bw / 1e9:.2f} GB/s)")
     compute = measured_compute_s(run)
     try:
         layout, shape, training, tp, pp = planner_inputs(run)
@@ -213,7 +217,15 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
 
     layout, shape, training, tp, pp = planner_inputs(run)
     hw = replace(hw, nodes=1, devices_per_node=run.world_size)
-    e = estimate(layout, shape, training, hw, tp=tp, pp=pp, persistence_threshold=persistence_threshold(run))
+    zero = _zero_config(run)
+    from .estimate import REDUCE_BUCKET, REUSE_LIMIT
+    from .model_states import PERSISTENCE_THRESHOLD
+
+    e = estimate(layout, shape, training, hw, tp=tp, pp=pp,
+                 persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
+                 reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+                 reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
+                                     zero.get("stage3_max_live_parameters", REUSE_LIMIT))))
     summary = run_analysis.summary(run)
     rows, notes = [], []
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}

@@ -8,8 +8,9 @@ so the timeline does too. On CUDA ranks the caching allocator's own history
 (``torch.cuda.memory._record_memory_history``) is recorded as well, and its
 snapshot written next to the timeline for pytorch.org/memory_viz.
 
-Opt-in: the profiler with its Python tracer slows a step several times over,
-and working out the categories afterwards takes about as long as the cell.
+Opt-in: under the profiler with its Python tracer a step takes about x1.2-1.3
+as long here (up to x2.5; benchmarks/plan_accuracy.py prints it), and working
+out the categories afterwards takes about as long as the cell ran.
 """
 from __future__ import annotations
 
@@ -61,7 +62,8 @@ class TimelineRecorder:
             names, rows = categories(), [row[1:] for row in sizes]
         except Exception as e:  # torch's data-flow analysis asserts on some wrappers (FSDP2's, torch 2.13)
             note = (f"torch's memory profiler could not categorise this run ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:80]}); the allocator's running total only")
+                    f"{str(e).splitlines()[0][:80]}); the allocator's running total only, less what it held "
+                    "before the cell")
             times, rows = _allocator_totals(prof, self.device)
             names = ["uncategorised"]
         if self.export_dir:  # torch's memory-timeline JSON: [times in us, [[0, bytes by category...]]]
@@ -87,13 +89,17 @@ def categories() -> list[str]:
 
 def _allocator_totals(prof, device) -> tuple[list, list]:
     """(times in us, [[bytes]]) from the profiler's allocation events on ``device``: the allocator's
-    running total after each allocation or free."""
+    running total after each allocation or free, less what it held when the cell began."""
     from torch._C._profiler import _EventType
 
     events = [e for root in prof.profiler.kineto_results.experimental_event_tree() for e in _walk(root)
               if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type]
     events.sort(key=lambda e: e.start_time_ns)
-    return [e.start_time_ns // 1000 for e in events], [[e.extra_fields.total_allocated] for e in events]
+    if not events:
+        return [], []
+    # the running total is the whole process's: count from what was allocated before the cell began
+    base = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size
+    return [e.start_time_ns // 1000 for e in events], [[e.extra_fields.total_allocated - base] for e in events]
 
 
 def _walk(event):
