@@ -99,7 +99,9 @@ def finish(want_summary: bool = True) -> dict:
 def _spec_fields(spec: StrategySpec) -> dict:
     from dataclasses import fields
 
-    return {f.name: getattr(spec, f.name) for f in fields(spec) if f.name != "ds_config"}
+    # as JSON holds them (tuples as lists), so a saved run's description reads back equal
+    return {f.name: list(v) if isinstance(v, tuple) else v
+            for f in fields(spec) if f.name != "ds_config" for v in [getattr(spec, f.name)]}
 
 
 def checkpoint(action: str, path: str, optimizer: bool = True) -> dict:
