@@ -137,7 +137,9 @@ def main() -> None:
     numels = [p.numel() for p in TinyTransformer(vocab=128, dim=64, heads=4, layers=2, seq=16).parameters()]
     precision = "bf16" if gpus else "fp32"
     reference = {}
-    for line in strategies_for(n, a.short):
+    # gradient compression: torch's bf16 hook runs only on CUDA ranks over nccl; PowerSGD is refused on CPU
+    compressed = ["ddp --compress bf16", "ddp --compress powersgd:4"] if backend == "nccl" else []
+    for line in strategies_for(n, a.short) + compressed:
         full = line if line in ("tp", "pp") or not gpus else f"{line} --precision bf16"
 
         def train(line=line, full=full):

@@ -15,6 +15,24 @@ NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp")
 SCHEDULES = ("gpipe", "1f1b")
 
 
+COMPRESSIONS = ("fp16", "bf16", "powersgd")
+
+
+def compression(spec: "StrategySpec") -> tuple[str, int, int] | None:
+    """(kind, PowerSGD rank, PowerSGD start step) of ``--compress``, or None."""
+    if spec.compress is None:
+        return None
+    kind, *nums = spec.compress.split(":")
+    if kind not in COMPRESSIONS or (nums and kind != "powersgd") or len(nums) > 2 or not all(
+            n.isdigit() and int(n) > 0 for n in nums):
+        raise SpecError(f"--compress {spec.compress!r}; allowed: fp16, bf16, powersgd[:RANK[:START]] "
+                        "(RANK and START positive integers)")
+    rank, start = (list(map(int, nums)) + [1, 2][len(nums):])[:2]
+    if kind == "powersgd" and start < 2:
+        raise SpecError(f"--compress {spec.compress!r}: PowerSGD with error feedback starts at step 2 or later")
+    return kind, rank, start
+
+
 def bubble_fraction(stages: int, microbatches: int) -> float:
     """Idle fraction of a step for equal stages under GPipe or 1F1B: (p - 1) / (M + p - 1)."""
     return (stages - 1) / (microbatches + stages - 1)
@@ -83,6 +101,11 @@ class StrategySpec:
                                        help="gradients are views into buckets")
     static_graph: bool = option(False, group="ddp options", applies=("ddp",), kind="switch",
                                 help="the graph is the same every step")
+    compress: str | None = option(  # a DDP communication hook (nbtool.rank.strategies.ddp)
+        None, group="ddp options", applies=("ddp",), metavar="fp16|bf16|powersgd[:RANK[:START]]",
+        refuse="it is a DDP communication hook; use %%distributed ddp --compress ...",
+        help="compress gradients for the all-reduce: fp16/bf16 (half the bytes; bf16 on CUDA ranks) or "
+             "PowerSGD of rank RANK (default 1) from step START (default 2; vanilla before; CUDA ranks)")
     # fsdp
     reshard_after_forward: bool = option(
         True, group="fsdp options", applies=("fsdp",), kind="off",
@@ -281,6 +304,14 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
     if spec.checkpoint_dir is not None and spec.checkpoint_every is None:
         raise SpecError(f"--checkpoint-dir {spec.checkpoint_dir!r} needs --checkpoint-every N (optimizer steps)")
     _refuse_inapplicable(spec)
+    kind = (compression(spec) or ("",))[0]
+    if kind == "bf16" and not (backend == "nccl" and device_kind == "cuda"):
+        raise SpecError("--compress bf16: torch's bf16_compress_hook runs only on CUDA ranks over nccl "
+                        "(DDP checks it); use --compress fp16 here")
+    if kind == "powersgd" and device_kind == "cpu":
+        raise SpecError(f"--compress {spec.compress}: torch 2.13's powerSGD_hook killed CPU ranks over gloo "
+                        "(a segfault while computing its P/Q factors) in nbtool's tests; it is for CUDA ranks "
+                        "over nccl; use --compress fp16 here")
     if spec.offload is not None:
         if spec.offload not in OFFLOADS:
             raise SpecError(f"--offload {spec.offload!r}; allowed: {', '.join(OFFLOADS)}")

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import json
+import math
+import re
 
 import pytest
 import torch
@@ -376,3 +378,50 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
     assert all(t.stackgroup and len(t.x) == len(t.y) > 1 for t in fig.data)
     with pytest.raises(UsageError, match="drop --no-metrics"):
         ip.run_cell_magic("distributed", "ddp --memory-timeline --no-metrics", "pass")
+
+
+def test_ddp_fp16_gradient_compression_halves_the_bytes(ranks):
+    """--compress fp16: the recorder sees the compressed all-reduces, 2 bytes per gradient element
+    instead of 4, exactly; the planner predicts them; the loss follows plain DDP's closely."""
+    import nbtool
+    from nbtool import run_analysis
+
+    ip = ranks
+    out = train(ip, "ddp --compress fp16", steps=6)
+    steps = run_analysis.step_table(nbtool.last_run(), 0)
+    reduced = [s["bytes_by_op"].get("all_reduce", 0) for s in steps]  # steps 2..6
+    assert reduced == [2 * PSI] * len(reduced), reduced
+    assert "fp16_compress_hook" in out[0]["desc"]["comm_hook"]
+    bus = nbtool.predicted_vs_measured().row("bus bytes / step")
+    assert bus.within, bus
+    plain = train(ip, "ddp", steps=6)[0]["losses"]
+    assert all(abs(x - y) < 0.05 * abs(y) for x, y in zip(out[0]["losses"], plain)), (out[0]["losses"], plain)
+
+
+def test_powersgd_element_count_follows_the_hooks_rule():
+    """What the planner expects PowerSGD to send (CUDA ranks): torch's own compression test per tensor."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
+
+    from nbtool.rank.strategies.ddp import powersgd_elements
+
+    shapes = [tuple(p.shape) for p in TinyTransformer().parameters()]
+    for rank in (1, 2, 8):
+        expected = 0
+        for shape in shapes:
+            n = shape[0]
+            m = math.prod(shape) // n
+            ok, whole, small = _should_compress(n, m, min(n, m, rank), 2)
+            expected += small if ok else whole
+        assert powersgd_elements(shapes, rank) == (PSI, expected)
+    assert powersgd_elements(shapes, 1)[1] < PSI / 10
+
+
+def test_compress_refused_where_it_cannot_apply(ranks):
+    ip = ranks
+    for line, fragment in (("fsdp --compress fp16", "--compress does not apply to fsdp"),
+                           ("ddp --compress int8", "allowed: fp16, bf16, powersgd[:RANK[:START]]"),
+                           ("ddp --compress powersgd:2:1", "starts at step 2 or later"),
+                           ("ddp --compress bf16", "runs only on CUDA ranks over nccl"),
+                           ("ddp --compress powersgd:2", "it is for CUDA ranks over nccl")):
+        with pytest.raises(UsageError, match=re.escape(fragment)):
+            ip.run_cell_magic("distributed", line, "pass")

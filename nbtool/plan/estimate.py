@@ -205,10 +205,11 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
 
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
-             reuse_limit: int = REUSE_LIMIT) -> Estimate:
+             reuse_limit: int = REUSE_LIMIT, compress: float = 1.0) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
-    stage3_max_live_parameters (DeepSpeed's defaults)."""
+    stage3_max_live_parameters (DeepSpeed's defaults); ``compress``: DDP's gradient bytes after a
+    compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -272,7 +273,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
-        bus = 2 * frac * psi * g
+        bus = 2 * frac * psi * g * compress
         collectives = math.ceil(psi * g / DDP_BUCKET)
     elif layout.is_fsdp:
         w = 2 if mixed else 4

@@ -152,6 +152,28 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     return layout, shape, training, tp, pp
 
 
+def compress_factor(run) -> float:
+    """DDP's gradient bytes per step under ``--compress`` over plain, as the mean of steps 2..N sees it:
+    fp16/bf16 halve them; PowerSGD sends its P and Q factors (counted from the parameters' shapes, by
+    powerSGD_hook's rule) from step START on, the whole gradients before."""
+    from ..spec import compression
+
+    chosen = compression(spec_of(run)) if run.strategy == "ddp" else None
+    if chosen is None:
+        return 1.0
+    kind, _, start = chosen
+    if kind != "powersgd":
+        return 0.5
+    counts = run.description.details.get("powersgd_elements") or {}
+    if not counts.get("before"):
+        return 1.0
+    ratio = counts["after"] / counts["before"]
+    steps = max((m.step for m in run.steps if m.rank == 0), default=0)
+    # steps 2..N are averaged; steps 1..START are vanilla (PowerSGD counts from 0)
+    vanilla = min(max(start - 1, 0), max(steps - 1, 0))
+    return (vanilla + ratio * (steps - 1 - vanilla)) / (steps - 1) if steps > 1 else ratio
+
+
 def _zero_config(run) -> dict:
     """The zero_optimization section of the DeepSpeed config the run used ({} for other strategies)."""
     return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
@@ -225,7 +247,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                  persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
                  reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
                  reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
-                                     zero.get("stage3_max_live_parameters", REUSE_LIMIT))))
+                                     zero.get("stage3_max_live_parameters", REUSE_LIMIT))),
+                 compress=compress_factor(run))
     summary = run_analysis.summary(run)
     rows, notes = [], []
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}

@@ -41,18 +41,40 @@ class DDPStrategy(Strategy):
             static_graph=self.spec.static_graph,
             **kwargs,
         )
-        self._python_hook = self.recorder is not None
-        if self._python_hook:
+        self._python_hook = self.recorder is not None or self.spec.compress is not None
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        hook, state = self._compression_hook()
+        if hook is not None:  # Python hooks call dist.all_reduce: the recorder sees the compressed bytes
+            self._ddp.register_comm_hook(state, hook)
+        elif self._python_hook:
             # the built-in C++ all-reduce is invisible from Python; this hook does the
             # same maths (divide by world size, sum) through dist.all_reduce
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-
             self._ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # state None: the world
         self._scaler = None
         if self.spec.precision == "fp16":
             self._scaler = torch.amp.GradScaler(self.device.type)
         self._set_gradient_sync(self.spec.grad_accum == 1)
         return self._ddp, optimizer
+
+    def _compression_hook(self):
+        """(hook, state) for --compress, or (None, None)."""
+        from ...spec import compression
+
+        chosen = compression(self.spec)
+        if chosen is None:
+            return None, None
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+        kind, rank, start = chosen
+        if kind == "fp16":
+            return default_hooks.fp16_compress_hook, None
+        if kind == "bf16":
+            return default_hooks.bf16_compress_hook, None
+        # error feedback and warm start (PowerSGD's defaults); vanilla all-reduce before step `start`
+        self._powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
+                                                     start_powerSGD_iter=start, random_seed=self.spec.seed)
+        return powerSGD_hook.powerSGD_hook, self._powersgd
 
     def _set_gradient_sync(self, sync: bool) -> None:
         # what DDP.no_sync() toggles; read at forward time, so set it ahead
@@ -91,8 +113,36 @@ class DDPStrategy(Strategy):
         d["static_graph"] = self.spec.static_graph
         d["comm_hook"] = ("default_hooks.allreduce_hook (Python, so each bucket's all-reduce is recorded)"
                           if getattr(self, "_python_hook", False) else "built-in (C++)")
+        if self.spec.compress:
+            from ...spec import compression
+
+            kind, rank, start = compression(self.spec)
+            d["comm_hook"] = {"fp16": "default_hooks.fp16_compress_hook (gradients all-reduced in fp16)",
+                              "bf16": "default_hooks.bf16_compress_hook (gradients all-reduced in bf16)"}.get(
+                kind, f"powerSGD_hook (rank {rank}, error feedback, warm start; vanilla all-reduce before step "
+                      f"{start})")
+            if kind == "powersgd" and self.model is not None:
+                before, after = powersgd_elements([tuple(p.shape) for p in self._plain.parameters()], rank)
+                d["powersgd_elements"] = {"before": before, "after": after}
         if self.spec.precision == "bf16":
             d["mixed_precision"] = "torch.autocast bf16 forward; fp32 weights, grads, all-reduce"
         elif self.spec.precision == "fp16":
             d["mixed_precision"] = "torch.autocast fp16 forward with torch.amp.GradScaler"
         return d
+
+
+def powersgd_elements(shapes: list[tuple], rank: int, min_rate: float = 2.0) -> tuple[int, int]:
+    """(gradient elements, elements PowerSGD all-reduces per step): a tensor viewed as n x m is sent
+    as P (n x r) and Q (m x r), r = min(n, m, rank), when (n + m) r x min_rate < n m; whole otherwise
+    (powerSGD_hook's own rule)."""
+    before = after = 0
+    for shape in shapes:
+        n = shape[0] if shape else 1
+        numel = 1
+        for k in shape:
+            numel *= k
+        m = numel // n if n else 0
+        r = min(n, m, rank)
+        before += numel
+        after += (n + m) * r if (n + m) * r * min_rate < n * m else numel
+    return before, after
