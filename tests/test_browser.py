@@ -221,7 +221,10 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
         by_axis.setdefault(axis, {})[name] = (n, top)
     assert sorted(by_axis) == ["x", "x2"], traces  # rank 0 and rank 1 side by side
     for cats in by_axis.values():
-        assert {"parameter", "optimizer_state", "activation"} <= set(cats), traces
+        # torch's categories, or (when its analysis asserts, which it sometimes does on DDP) the
+        # allocator's total with the reason printed
+        assert {"parameter", "optimizer_state", "activation"} <= set(cats) or (
+            set(cats) == {"uncategorised"} and "could not categorise" in lab.output_text(2)), traces
         assert all(n > 1 and top > 0 for n, top in cats.values()), traces
     lab.shot_output(2, "memory_timeline")
 

@@ -345,11 +345,17 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
 
     ip = ranks
     runs = {}
-    for line in (f"ddp --memory-timeline {tmp_path}", "fsdp --memory-timeline"):
-        ip.run_cell(f"%%distributed {line} --name {line.split()[0]}-mt\n_out = _run(strategy)").raise_error()
-        runs[line.split()[0]] = nbtool.last_run()
+    # torch's categorisation sometimes asserts on DDP too (its hooks' callbacks run on gloo's threads,
+    # racing the profiler's view of tensor versions): a bounded retry keeps this check about nbtool
+    for attempt in range(3):
+        ip.run_cell(f"%%distributed ddp --memory-timeline {tmp_path} --name ddp-mt\n_out = _run(strategy)").raise_error()
+        runs["ddp"] = nbtool.last_run()
+        if all(t.note == "" for t in runs["ddp"].timelines):
+            break
+    ip.run_cell("%%distributed fsdp --memory-timeline --name fsdp-mt\n_out = _run(strategy)").raise_error()
+    runs["fsdp"] = nbtool.last_run()
     out = capsys.readouterr().out
-    assert out.count("memory timeline (tracked tensor bytes by category") == 2, out
+    assert out.count("memory timeline (tracked tensor bytes by category") == attempt + 2, out
     ledger0 = {name: [m.ledger for m in run.memory if m.ledger and m.rank == 0][-1] for name, run in runs.items()}
     for name in ("ddp",):
         timelines = sorted(runs[name].timelines, key=lambda t: t.rank)
@@ -368,13 +374,17 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
     assert len(times) == runs["ddp"].timelines[0].events and max(sum(r) for r in sizes) == max(
         runs["ddp"].timelines[0].totals())
     fsdp = runs["fsdp"].timelines
-    assert all(t.categories == ["uncategorised"] and "could not categorise" in t.note for t in fsdp)
-    assert all(max(t.totals()) >= ledger0["fsdp"]["params"] for t in fsdp)
-    assert "could not categorise this run" in out
+    for t in fsdp:  # torch's categories, or (usually, under FSDP2) the allocator's total and the reason
+        if t.note:
+            assert t.categories == ["uncategorised"] and "could not categorise" in t.note and t.note in out
+            assert max(t.totals()) >= ledger0["fsdp"]["params"]
+        else:
+            assert max(t.bytes[t.categories.index("parameter")]) >= ledger0["fsdp"]["params"]
     # the plot: one row per run, one column per rank, one stacked trace per category that held bytes
     fig = timeline_figure([runs["ddp"], runs["fsdp"]])
     names = {(t.name, t.xaxis) for t in fig.data}
-    assert ("optimizer_state", "x") in names and ("optimizer_state", "x2") in names and ("uncategorised", "x3") in names
+    fsdp_name = "uncategorised" if fsdp[0].note else "parameter"
+    assert ("optimizer_state", "x") in names and ("optimizer_state", "x2") in names and (fsdp_name, "x3") in names
     assert all(t.stackgroup and len(t.x) == len(t.y) > 1 for t in fig.data)
     with pytest.raises(UsageError, match="drop --no-metrics"):
         ip.run_cell_magic("distributed", "ddp --memory-timeline --no-metrics", "pass")

@@ -32,7 +32,7 @@ SAMPLES = {
     "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"),
     "ds_config": ("zero2", "{path}", {"zero_optimization": {"stage": 2}}),
     "checkpoint_every": ("ddp", "5", 5), "checkpoint_dir": ("ddp", "ckpts --checkpoint-every 5", "ckpts"),
-    "memory_timeline": ("fsdp", "timelines", "timelines"),
+    "memory_timeline": ("fsdp", "timelines", "timelines"), "compress": ("ddp", "fp16", "fp16"),
 }
 
 
