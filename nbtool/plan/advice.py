@@ -121,9 +121,10 @@ def followed(run, suggestion: Suggestion) -> str:
     after = measure(run, suggestion.figure)
     fmt = (format_bytes if suggestion.figure == "bus bytes / step"
            else (lambda v: f"{v:.0%}") if suggestion.figure == "bubble" else (lambda v: f"{v:.1f}"))
-    moved = "as predicted" if after is not None and (after - suggestion.before) * (
-        suggestion.predicted - suggestion.before) > 0 or after == suggestion.predicted == suggestion.before \
-        else "not as predicted"
+    # the same direction as predicted (or no change where none was predicted)
+    same_way = after is not None and (after - suggestion.before) * (suggestion.predicted - suggestion.before) > 0
+    unchanged = after == suggestion.predicted == suggestion.before
+    moved = "as predicted" if same_way or unchanged else "not as predicted"
     return (f"advice followed (from run {suggestion.base_run!r}): {suggestion.figure} "
             f"{fmt(suggestion.before)} -> measured {fmt(after) if after is not None else '-'}, "
             f"predicted {fmt(suggestion.predicted)} ({moved})")

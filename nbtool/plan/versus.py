@@ -16,8 +16,9 @@ from dataclasses import dataclass, field, replace
 
 from .. import run_analysis
 from ..spec import StrategySpec
-from .estimate import MFU, Estimate, estimate
+from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate
 from .inputs import Hardware, ModelShape, Training
+from .model_states import PERSISTENCE_THRESHOLD
 
 # tolerances: exact for the ledger, 2% for bytes per step (a loss all_reduce of a few bytes rides along)
 DETERMINISTIC = ("model states", "bus bytes / step")
@@ -83,12 +84,16 @@ class Versus:
                   r.source + (f"; {r.note}" if r.note else "")) for r in self.rows
                  if not deterministic or r.figure in DETERMINISTIC]
         cols = ("figure", "measured", "predicted", "error", "measured as")
-        widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(cols[:-1])]
-        lines = [head, "  ".join(c.ljust(w) for c, w in zip(cols, widths + [0])).rstrip()]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths + [0])).rstrip() for row in cells]
+        lines = [head] + _columns(cols, cells)
         return "\n".join(lines + ([] if deterministic else [f"note: {n}" for n in self.notes]))
 
     __str__ = text
+
+
+def _columns(cols, rows) -> list[str]:
+    """A plain-text table: the header and each row, columns padded to their widest cell."""
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(cols)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in [cols, *rows]]
 
 
 def _percent(x: float) -> str:
@@ -107,9 +112,7 @@ def error_table(results: list, deterministic: bool = False) -> str:
                        + ("" if r.within is None else " ok" if r.within else " off"))
         cells.append(row)
     cols = ("planner's error (predicted - measured) / measured",) + figures
-    widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(cols)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(cols, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+    lines = _columns(cols, cells)
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
     return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); %dist_plan --vs-last for the figures"])
 
@@ -137,8 +140,8 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     elif run.strategy == "fsdp":
         layout = "fsdp" if spec.reshard_after_forward else "fsdp-grad-op"
     elif spec.is_zero and spec.offload:
-        layout = {"zero2": "zero2-offload"}.get(run.strategy) or (
-            "zero3-offload" if spec.offload == "both" else "zero3-offload-optimizer")
+        layout = {"zero2": "zero2-offload", "zero3": "zero3-offload" if spec.offload == "both"
+                  else "zero3-offload-optimizer"}.get(run.strategy, run.strategy)  # no zero1 offload layout
     else:
         layout = run.strategy
     ledger = run_analysis.peak_ledger(run, 0)
@@ -240,9 +243,6 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     layout, shape, training, tp, pp = planner_inputs(run)
     hw = replace(hw, nodes=1, devices_per_node=run.world_size)
     zero = _zero_config(run)
-    from .estimate import REDUCE_BUCKET, REUSE_LIMIT
-    from .model_states import PERSISTENCE_THRESHOLD
-
     e = estimate(layout, shape, training, hw, tp=tp, pp=pp,
                  persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
                  reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),

@@ -97,11 +97,8 @@ def finish(want_summary: bool = True) -> dict:
 
 
 def _spec_fields(spec: StrategySpec) -> dict:
-    from dataclasses import fields
-
     # as JSON holds them (tuples as lists), so a saved run's description reads back equal
-    return {f.name: list(v) if isinstance(v, tuple) else v
-            for f in fields(spec) if f.name != "ds_config" for v in [getattr(spec, f.name)]}
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in spec.as_dict().items() if k != "ds_config"}
 
 
 def checkpoint(action: str, path: str, optimizer: bool = True) -> dict:
