@@ -116,6 +116,17 @@ class StrategySpec:
                                    help="shard modules of these classes as their own units (root wrapped last); "
                                         "default: the repeated blocks (a Hugging Face model's _no_split_modules); "
                                         "none: the whole model as one unit")
+    replicate: tuple[str, ...] = option(
+        (), group="fsdp options", applies=("fsdp",), type="class_list", metavar="CLASS[,CLASS]",
+        help="keep modules of these classes whole on every rank, their gradients all-reduced (PyTorch's "
+             "FSDP2-based replicate), while the rest is sharded: e.g. --replicate Embedding")
+    # HSDP: a (dp_replicate, dp_shard) mesh; None: unset (plain FSDP over the world)
+    dp_replicate: int | None = option(None, group="fsdp options", applies=("fsdp",), type="positive_int",
+                                      metavar="R", help="hybrid sharding (HSDP): R replicas of the sharded "
+                                      "model, gradients all-reduced across them (default: world / S)")
+    dp_shard: int | None = option(None, group="fsdp options", applies=("fsdp",), type="positive_int",
+                                  metavar="S", help="hybrid sharding (HSDP): shard over groups of S "
+                                  "neighbouring ranks (on a multi-node cluster, a node; default: world / R)")
     # fsdp (policy) and zero (optimizer|params|both)
     offload: str | None = option(
         None, group="zero options", applies=("fsdp",) + ZERO_NAMES, nargs="?", const="both", choices=OFFLOADS,
@@ -277,6 +288,27 @@ class ParallelDims:
         return cls(dp, tp, pp)
 
 
+def hsdp_dims(spec: StrategySpec, world_size: int) -> tuple[int, int] | None:
+    """(replicas, shard size) of ``fsdp --dp-replicate R --dp-shard S``, checked; None without either."""
+    r, sh = spec.dp_replicate, spec.dp_shard
+    if r is None and sh is None:
+        return None
+    if (spec.tp or 1) > 1 or (spec.pp or 1) > 1:
+        raise SpecError("--dp-replicate/--dp-shard with --tp/--pp: nbtool builds hybrid sharding on plain fsdp "
+                        "only; drop --tp/--pp, or use fsdp --tp T --dp D (FSDP over dp, TP inside)")
+    if spec.dp is not None:
+        raise SpecError(f"--dp {spec.dp} with --dp-replicate/--dp-shard: hybrid sharding's data-parallel size "
+                        "is R x S; drop --dp")
+    for flag, v in (("--dp-replicate", r), ("--dp-shard", sh)):
+        if v is not None and world_size % v:
+            raise SpecError(f"{flag} {v} does not divide world_size({world_size})")
+    r, sh = r or world_size // sh, sh or world_size // r
+    if r * sh != world_size:
+        raise SpecError(f"dp_replicate({r}) x dp_shard({sh}) = {r * sh} != world_size({world_size}); "
+                        f"hybrid sharding uses every rank once: R x S = {world_size}")
+    return r, sh
+
+
 def _refuse_inapplicable(spec: StrategySpec, names: tuple[str, ...] | None = None) -> None:
     """Options given on the line that the strategy does not take (the table's ``applies``)."""
     for f in OPTION_FIELDS:
@@ -304,6 +336,15 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
     if spec.checkpoint_dir is not None and spec.checkpoint_every is None:
         raise SpecError(f"--checkpoint-dir {spec.checkpoint_dir!r} needs --checkpoint-every N (optimizer steps)")
     _refuse_inapplicable(spec)
+    if world_size is not None:
+        hsdp_dims(spec, world_size)
+    both = sorted(set(spec.wrap) & set(spec.replicate))
+    if both:
+        raise SpecError(f"{', '.join(both)} in both --wrap and --replicate: a module is sharded or replicated; "
+                        "name each class once")
+    if spec.replicate and spec.is_mesh:
+        raise SpecError("--replicate with --tp/--pp: nbtool replicates modules under plain fsdp only; "
+                        "drop --tp/--pp or --replicate")
     kind = (compression(spec) or ("",))[0]
     if kind == "bf16" and not (backend == "nccl" and device_kind == "cuda"):
         raise SpecError("--compress bf16: torch's bf16_compress_hook runs only on CUDA ranks over nccl "
@@ -369,9 +410,6 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
         if spec.microbatches is not None and spec.microbatches < pp:
             raise SpecError(f"--microbatches {spec.microbatches} is fewer than the pp({pp}) stages; "
                             f"every stage needs work: use --microbatches >= {pp}")
-        if spec.grad_clip is not None:
-            raise SpecError("--grad-clip with pipeline parallelism: each stage holds part of the gradients "
-                            "and nbtool does not compute their global norm across stages; drop --grad-clip")
         if spec.grad_accum > 1:
             raise SpecError("--grad-accum with pipeline parallelism: the micro-batches already accumulate "
                             "gradients within a step; use --microbatches M")
@@ -380,9 +418,9 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
     if spec.offload is not None:
         raise SpecError(f"--offload with tp({tp}) / pp({pp}): nbtool offloads only plain fsdp and zero*; "
                         "drop --offload, or use fsdp --offload without --tp/--pp")
-    if spec.precision != "fp32" and n != "fsdp":
-        raise SpecError(f"{n} --precision {spec.precision}: tp and pp run in fp32; for bf16 use "
-                        f"fsdp --tp {tp} (FSDP's MixedPrecisionPolicy over the data-parallel dimension)")
+    if spec.precision == "fp16" and n != "fsdp":
+        raise SpecError(f"{n} --precision fp16: nbtool wires no loss scaler into tp or pp, and fp16 without "
+                        "one underflows; use --precision bf16 (autocast, fp32 weights)")
 
 
 def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:

@@ -40,8 +40,9 @@ def _ptrain(strategy, layers=2, steps=4, batch=8, **prepare):
 """
 
 
-def reference(layers: int = 2):
-    """The same training on one process: losses and final weights."""
+def reference(layers: int = 2, clip: float | None = None, bf16: bool = False):
+    """The same training on one process: losses and final weights (``clip``: clip_grad_norm_ at it;
+    ``bf16``: the forward under torch.autocast)."""
     torch.manual_seed(0)
     model = TinyTransformer(layers=layers)
     # SGD, not Adam: Adam scales a near-zero gradient (k_proj's bias gets one, softmax ignores
@@ -51,8 +52,12 @@ def reference(layers: int = 2):
     losses = []
     for step in range(STEPS):
         x, y = data.tokens[step * BATCH:(step + 1) * BATCH, :-1], data.tokens[step * BATCH:(step + 1) * BATCH, 1:]
-        loss = lm_loss(model(x), y)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            out = model(x)
+        loss = lm_loss(out, y)
         loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -100,6 +105,36 @@ def test_layout_matches_single_process_reference(ranks, ref, line):
         torch.testing.assert_close(sd[k], v, rtol=TOL, atol=TOL, msg=f"{line}: {k}")
     assert out[1]["sd"] is None  # full_state_dict: rank 0 only
     assert TinyTransformer(layers=2).load_state_dict(sd)  # loads into a plain model
+
+
+@pytest.mark.parametrize("line", ["pp", "tp", "fsdp --tp 2", "fsdp --pp 2"])
+def test_grad_clip_is_the_norm_of_the_whole_models_gradient_across_the_layout(ranks, line):
+    clipped, _ = reference(clip=0.1)
+    assert clipped != pytest.approx(reference()[0], rel=1e-4)  # the clip is active from step 2
+    out, _ = train(ranks, f"{line} --grad-clip 0.1")
+    for r in out:
+        assert r["losses"] == pytest.approx(clipped, rel=TOL), (line, r["losses"], clipped)
+
+
+@pytest.mark.parametrize("line", ["tp", "pp --microbatches 4"])
+def test_bf16_under_tp_and_pp_is_autocast_with_the_messages_in_the_dtype_they_carry(ranks, line):
+    out, run = train(ranks, f"{line} --precision bf16")
+    # autocast reorders no sums across ranks here: the single-process autocast losses, to bf16's
+    # rounding of the few matmuls whose order the split changes
+    for r in out:
+        assert r["losses"] == pytest.approx(reference(bf16=True)[0], rel=1e-3)
+    assert out[0]["sd"]["blocks.0.attn.q_proj.weight"].dtype == torch.float32  # fp32 weights
+    if line.startswith("pp"):
+        act = {c.size_bytes for c in run.comms if c.rank == 0 and c.op == "send" and c.step >= 1}
+        # the stage's output is the residual stream, which autocast keeps in fp32: micro-batch 2 x
+        # seq 16 x dim 32 x 4 bytes (fsdp --pp's bf16 parameters would halve it)
+        assert act == {2 * 16 * 32 * 4}
+        assert "residual stream in fp32" in out[0]["desc"]["mixed_precision"]
+    else:
+        # forward: the row-parallel outputs, bf16 matmuls; backward: the gradient of each block
+        # input, the fp32 residual stream (autocast leaves the additions in fp32)
+        dtypes = Counter(c.dtype for c in run.comms if c.rank == 0 and c.op == "all_reduce" and c.step == 2)
+        assert dtypes == Counter(bfloat16=4, float32=4)
 
 
 def test_tp_parameter_bytes_are_one_over_tp_of_the_sharded_layers(ranks, ref):
@@ -267,8 +302,7 @@ LAYOUTS = [  # (line, world size, message)
     ("tp --microbatches 4", 2, "--microbatches applies to pipeline parallelism"),
     ("pp --microbatches 1", 2, "--microbatches 1 is fewer than the pp(2) stages"),
     ("pp --grad-accum 2", 2, "--grad-accum with pipeline parallelism"),
-    ("pp --grad-clip 1", 2, "--grad-clip with pipeline parallelism"),
-    ("tp --precision bf16", 2, "tp --precision bf16: tp and pp run in fp32"),
+    ("tp --precision fp16", 2, "tp --precision fp16: nbtool wires no loss scaler into tp or pp"),
     ("tp --offload", 2, "--offload with tp(2)"),
     ("pp --wrap Block", 2, "--wrap does not apply to pp"),
     ("fsdp --tp 3 --dp 2", 4, "dp(2) * tp(3) * pp(1) != world_size(4)"),

@@ -86,3 +86,28 @@ def test_4_rank_layouts_match_reference(four, line, dims):
         assert ops["send"] and ops["recv"] and len({p.stage for p in run.pipeline}) == 2
     if "tp(2)" in dims:
         assert ops["all_gather" if "--sp" in line else "all_reduce"]
+
+
+def test_hybrid_sharding_shards_within_pairs_and_all_reduces_across_them(four):
+    """fsdp --dp-replicate 2 --dp-shard 2: each pair holds one sharded copy; per step a unit is
+    gathered and reduce-scattered within a pair (group of 2) and its shard all-reduced across the
+    pairs (group of 2, half the bytes); the same maths as the 8-sample batch on one process."""
+    four.run_cell("%%distributed fsdp --dp-replicate 2 --dp-shard 2 --quiet\n"
+                  "_pout = _ptrain(strategy, batch=2)").raise_error()
+    four.run_line_magic("dist_pull", "_pout")
+    out = four.user_ns["_pout"]
+    ref_losses, ref_sd = reference()
+    assert "HSDP: sharded over dp_shard(2), replicated over dp_replicate(2)" in out[0]["desc"]["sharding"]
+    losses = [sum(x) / 4 for x in zip(*(r["losses"] for r in out))]  # four replicas of 2 samples
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(out[0]["sd"][k], v, rtol=1e-5, atol=1e-5, msg=k)
+    psi4 = 4 * sum(p.numel() for p in TinyTransformer(layers=2).parameters())
+    assert {r["ledger"]["params"] for r in out} == {psi4 // 2}
+    step = [c for c in nbtool.last_run().comms if c.rank == 0 and c.step == 2]
+    assert {c.group_size for c in step} == {2}
+    by_op = Counter()
+    for c in step:
+        by_op[c.op] += c.size_bytes
+    assert by_op["reduce_scatter"] == psi4 and by_op["all_reduce"] == psi4 // 2
+    assert by_op["all_gather"] == 2 * psi4  # every unit gathered for forward, and again for backward

@@ -138,6 +138,26 @@ print(type(m.blocks[0]).__name__, type(m.embed).__name__, type(m.blocks[0].mlp.u
     assert "fsdp: torch.distributed.fsdp.fully_shard (FSDP2); 3 unit(s) over 2 ranks" in stdout
 
 
+def test_fsdp_replicate_keeps_the_named_classes_whole_and_all_reduces_their_gradients(ranks):
+    """The article's "shard the backbone, keep the embedding whole": the same maths as ddp, the
+    embeddings' gradients in all-reduces of their own size, everything else reduce-scattered."""
+    import nbtool
+
+    ref = train(ranks, "ddp")[0]
+    out = train(ranks, "fsdp --replicate Embedding")
+    assert_same_losses(out[0]["losses"], ref["losses"])
+    assert_same_weights(out[0]["sd"], ref["sd"])
+    assert out[0]["desc"]["replicated"] == [f"{n} (whole on every rank, gradients all-reduced)" for n in ("pos", "embed")]
+    sizes = {n: p.numel() for n, p in TinyTransformer().named_parameters()}
+    emb = sizes["embed.weight"] + sizes["pos.weight"]
+    for r in out:  # the embeddings whole, the rest split in two
+        assert r["ledger"]["params"] == 4 * (emb + (PSI - emb) // 2)
+    step = [c for c in nbtool.last_run().comms if c.rank == 0 and c.step == 2]
+    assert sorted(c.size_bytes for c in step if c.op == "all_reduce") == sorted(
+        4 * sizes[n] for n in ("embed.weight", "pos.weight"))
+    assert sum(c.size_bytes for c in step if c.op == "reduce_scatter") == 4 * (PSI - emb)
+
+
 def test_offload_keeps_state_on_host(ranks):
     base = train(ranks, "zero3")[0]["losses"]
     z3 = train(ranks, "zero3 --offload both")
@@ -279,6 +299,13 @@ BAD_STRATEGY_LINES = [
     ("zero2 --ds-config /nonexistent/x.json", "--ds-config '/nonexistent/x.json': No such file or directory"),
     ("fsdp --export-config x.json", "--export-config writes a DeepSpeed config; it applies to zero1, zero2, zero3, not fsdp"),
     ("zero4", "unknown strategy 'zero4'; allowed: ddp, fsdp, zero1, zero2, zero3"),
+    ("ddp --replicate Embedding", "--replicate does not apply to ddp; it applies to fsdp"),
+    ("fsdp --wrap Block --replicate Block", "Block in both --wrap and --replicate"),
+    ("fsdp --replicate Embedding --tp 2", "--replicate with --tp/--pp"),
+    ("fsdp --dp-replicate 3", "--dp-replicate 3 does not divide world_size(2)"),
+    ("fsdp --dp-replicate 2 --dp-shard 2", "dp_replicate(2) x dp_shard(2) = 4 != world_size(2)"),
+    ("fsdp --dp-shard 1 --tp 2", "--dp-replicate/--dp-shard with --tp/--pp"),
+    ("zero3 --dp-shard 2", "--dp-shard does not apply to zero3; it applies to fsdp"),
 ]
 
 
@@ -305,6 +332,10 @@ def test_ds_config_conflicts(ranks, tmp_path):
      "--wrap Nope: the model has no module of class Nope; its classes are Attention, Block, Embedding"),
     ("ddp --activation-checkpointing Nope", "m = TinyTransformer(); strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=1))",
      "--activation-checkpointing Nope: the model has no module of class Nope"),
+    ("fsdp --replicate Nope", "m = TinyTransformer(); strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=1))",
+     "--replicate Nope: the model has no module of class Nope"),
+    ("fsdp --replicate TinyTransformer", "m = TinyTransformer(); strategy.prepare(m, torch.optim.SGD(m.parameters(), lr=1))",
+     "--replicate TinyTransformer names the model itself; replicating the whole model is ddp"),
     ("ddp", "m = TinyTransformer(); o = torch.optim.SGD(m.parameters(), lr=1)\n"
             "strategy.prepare(m, o); strategy.prepare(m, o)", "prepare() was already called in this cell"),
     ("zero2", "strategy.backward(torch.ones(()))", "call strategy.prepare(model, optimizer) before strategy.backward"),

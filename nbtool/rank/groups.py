@@ -31,6 +31,16 @@ def layout_mesh(device_type: str, dims):
     return _made[key]
 
 
+def hsdp_mesh(device_type: str, replicas: int, shard: int):
+    """The ("dp_replicate", "dp_shard") mesh of hybrid sharding: shard groups of neighbouring ranks."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = ("hsdp", device_type, replicas, shard)
+    if key not in _made:
+        _made[key] = init_device_mesh(device_type, (replicas, shard), mesh_dim_names=("dp_replicate", "dp_shard"))
+    return _made[key]
+
+
 def subgroup(ranks: tuple[int, ...]):
     """A process group over ``ranks`` (None: the world itself)."""
     import torch.distributed as dist

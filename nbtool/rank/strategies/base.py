@@ -367,11 +367,13 @@ class Strategy:
     def _check_model(self, model: nn.Module) -> None:
         classes = {type(m).__name__ for m in model.modules()}
         names = [w for w in self.spec.wrap if w != "none"]  # --wrap none: one unit, the whole model
+        names += list(self.spec.replicate)
         if self.spec.activation_checkpointing:
             names.append(self.spec.activation_checkpointing)
         for name in names:
             if name not in classes:
-                opt = "--wrap" if name in self.spec.wrap else "--activation-checkpointing"
+                opt = ("--wrap" if name in self.spec.wrap else "--replicate" if name in self.spec.replicate
+                       else "--activation-checkpointing")
                 raise StrategyError(
                     f"{opt} {name}: the model has no module of class {name}; "
                     f"its classes are {', '.join(sorted(classes))}"
@@ -446,6 +448,21 @@ def _checkpoint_forward(module: nn.Module) -> None:
 
     def forward(*args, **kwargs):
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+
+
+def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) -> None:
+    """Run ``module``'s forward under torch.autocast (mixed precision, fp32 weights), in place.
+
+    Replaces the instance's forward, as _checkpoint_forward does, so the state
+    dict's keys stay the model's own (a wrapper module would prefix them).
+    """
+    inner = module.forward
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device_type, dtype=dtype):
+            return inner(*args, **kwargs)
 
     module.forward = forward
 

@@ -9,14 +9,16 @@ from __future__ import annotations
 
 import torch
 
-from ..groups import world_mesh
+from ...spec import hsdp_dims
+from ..groups import hsdp_mesh, world_mesh
 from .base import Strategy, param_names, repoint_optimizer
 from .ledger import Tally
 
 
 
-def shard_units(model, mesh, spec) -> list[str]:
-    """fully_shard the modules of the --wrap classes (innermost first), then the root; their names.
+def shard_units(model, mesh, spec, replicate_mesh=None) -> tuple[list[str], list[str]]:
+    """fully_shard the modules of the --wrap classes (innermost first), then the root; the names of
+    the units, and of the modules kept whole (--replicate, on ``replicate_mesh``).
 
     Without --wrap the repeated blocks are the units (accelerate's transformer
     auto-wrap, torchtitan's choice): a Hugging Face model's ``_no_split_modules``
@@ -38,14 +40,29 @@ def shard_units(model, mesh, spec) -> list[str]:
 
         wrap = block_classes(model)
     wrap.discard("none")
-    units = []
+    whole = set(spec.replicate)
+    wrap -= whole
+    if type(model).__name__ in whole:
+        from .base import StrategyError
+
+        raise StrategyError(f"--replicate {type(model).__name__} names the model itself; replicating the whole "
+                            "model is ddp: use %%distributed ddp, or name the parts to keep whole")
+    units, replicated = [], []
     for qualname, module in reversed(list(model.named_modules())):
-        if module is not model and type(module).__name__ in wrap:
+        if module is model:
+            continue
+        if type(module).__name__ in whole:
+            from torch.distributed._composable.replicate_with_fsdp import replicate
+
+            replicate(module, mesh=replicate_mesh, **{k: v for k, v in kwargs.items()
+                                                      if k in ("mp_policy", "offload_policy")})
+            replicated.append(qualname)
+        elif type(module).__name__ in wrap:
             fully_shard(module, **kwargs)
             units.append(qualname)
     fully_shard(model, **kwargs)
     units.append("<root>")
-    return units
+    return units, replicated
 
 
 class FSDPStrategy(Strategy):
@@ -55,7 +72,10 @@ class FSDPStrategy(Strategy):
         groups = param_names(model, optimizer)
         if not self.spec.offload:
             model.to(self.device)
-        self.units = shard_units(model, world_mesh(self.device.type), self.spec)
+        kind = self.device.type
+        self.hsdp = hsdp_dims(self.spec, self.world_size)
+        mesh = hsdp_mesh(kind, *self.hsdp) if self.hsdp else world_mesh(kind)
+        self.units, self.replicated = shard_units(model, mesh, self.spec, world_mesh(kind))
         self._plain = model
         repoint_optimizer(optimizer, model, groups)
         self.notes.append("optimizer param_groups re-pointed at the sharded (DTensor) parameters")
@@ -81,10 +101,14 @@ class FSDPStrategy(Strategy):
     def _describe(self):
         d = super()._describe()
         d["wrapper"] = "torch.distributed.fsdp.fully_shard (FSDP2)"
-        d["sharding"] = (f"{len(self.units)} unit(s) over {self.world_size} ranks, "
+        over = (f"HSDP: sharded over dp_shard({self.hsdp[1]}), replicated over dp_replicate({self.hsdp[0]})"
+                if getattr(self, "hsdp", None) else f"over {self.world_size} ranks")
+        d["sharding"] = (f"{len(self.units)} unit(s) {over}, "
                          f"reshard_after_forward={self.spec.reshard_after_forward} "
                          f"({'ZeRO-3-like' if self.spec.reshard_after_forward else 'ZeRO-2-like'})")
         d["units"] = list(getattr(self, "units", []))
+        if getattr(self, "replicated", None):
+            d["replicated"] = [f"{name} (whole on every rank, gradients all-reduced)" for name in self.replicated]
         if self.spec.precision == "bf16":
             d["mixed_precision"] = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); fp32 sharded weights"
         d["offload"] = "CPUOffloadPolicy (params, grads, optimizer state on host)" if self.spec.offload else None

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ...metrics import PipelineStep
-from .base import Strategy, StrategyError, param_names, repoint_optimizer
+from .base import Strategy, StrategyError, autocast_forward, param_names, repoint_optimizer
 from ...spec import ParallelDims
 from ..groups import layout_mesh
 
@@ -98,7 +98,9 @@ class MeshStrategy(Strategy):
             self.plan = plan
             self._permuted = tp_plan.permuted_params(plan, model)
         if self.name == "fsdp":
-            self.units = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
+            self.units, _ = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
+        elif self.spec.precision == "bf16":  # fsdp's is its MixedPrecisionPolicy
+            autocast_forward(stage_model if self.pp > 1 else model, self.device.type, torch.bfloat16)
         repoint_optimizer(optimizer, model, groups, keep_missing=self.pp > 1)
         self._plain = model
         if self.pp > 1:
@@ -186,8 +188,50 @@ class MeshStrategy(Strategy):
         if self.dp > 1 and self.name != "fsdp":
             self._average_over_dp()
         if self.spec.grad_clip:
-            torch.nn.utils.clip_grad_norm_(self._plain.parameters(), self.spec.grad_clip)
+            self._clip_global(self.spec.grad_clip)
         return self.optimizer.inner.step(closure)
+
+    @torch.no_grad()
+    def _clip_global(self, max_norm: float) -> torch.Tensor:
+        """--grad-clip on the whole model's gradient norm, however the layout splits it, then scale
+        every gradient by max_norm / (norm + 1e-6) when below 1 (clip_grad_norm_'s maths).
+
+        Each rank sums the squares of what it holds; a shard's sum is added over the mesh
+        dimensions it is sharded on (tp, and dp under fsdp), a replica's is counted once, and the
+        stages' sums are added over pp (torchtitan's pipeline clip). A weight tied across stages
+        is counted on the stage holding its first name only.
+        """
+        from torch.distributed.tensor import DTensor, Shard
+
+        here: dict = {}  # id -> (parameter, its names on this stage)
+        for n, p in self._plain.named_parameters(remove_duplicate=False):
+            here.setdefault(id(p), (p, set()))[1].add(n)
+        ties = [set(names) for names, _ in self._tied]
+        firsts = [names[0] for names, _ in self._tied]
+        grads = [p.grad for p, names in here.values() if p.grad is not None and all(
+            first in names for tie, first in zip(ties, firsts) if tie & names)]
+        sums: dict = {}  # mesh dims a gradient is sharded on -> sum of squares of this rank's parts
+        for g in grads:
+            key = ()
+            if isinstance(g, DTensor):
+                names = g.device_mesh.mesh_dim_names
+                key = tuple(names[i] for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
+                g = g.to_local()
+            sums[key] = sums.get(key, 0.0) + g.detach().float().pow(2).sum()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        for key in sorted(sums):
+            part = torch.as_tensor(sums[key], dtype=torch.float32, device=self.device).clone()
+            for dim in key:
+                dist.all_reduce(part, group=self.mesh[dim].get_group())
+            total += part
+        if self.pp > 1:
+            dist.all_reduce(total, group=self.mesh["pp"].get_group())
+        norm = total.sqrt()
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        for p in self._plain.parameters():
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).mul_(coef)
+        return norm
 
     @torch.no_grad()
     def _reduce_partial_grads(self) -> None:
@@ -311,6 +355,10 @@ class MeshStrategy(Strategy):
             d["units"] = list(self.units)
         if self.name == "fsdp" and self.spec.precision == "bf16":
             d["mixed_precision"] = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)"
+        elif self.spec.precision == "bf16":
+            d["mixed_precision"] = ("torch.autocast(bf16) around the " + ("stage's" if self.pp > 1 else "model's")
+                                    + " forward: bf16 matmuls; weights, gradients and the residual stream in fp32 "
+                                    "(so pipeline messages stay fp32; fsdp --tp/--pp casts the weights instead)")
         return d
 
 
