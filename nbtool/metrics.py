@@ -13,8 +13,8 @@ import csv
 import json
 from dataclasses import asdict, dataclass, field, fields
 
-SCHEMA_VERSION = 4  # 2: the run description is a RunDescription; 3: CommWait records, CommRecord.asynchronous;
-# 4: MemoryTimeline records
+SCHEMA_VERSION = 5  # 2: the run description is a RunDescription; 3: CommWait records, CommRecord.asynchronous;
+# 4: MemoryTimeline records; 5: PipelineStep.virtual
 
 LEDGER_CATEGORIES = ("params", "grads", "master_params", "optimizer_state", "other")
 
@@ -219,9 +219,11 @@ class PipelineStep:
     of every micro-batch); ``compute_s`` the time spent in the stage's own
     forward and backward chunks, loss (last stage) and gradient scaling. The
     rest, ``idle_s``, is the bubble: waiting for the neighbouring stages, plus
-    sending, receiving and the schedule's bookkeeping. For equal stages and
-    free communication theory gives (stages - 1) / (microbatches + stages - 1)
-    of the step.
+    sending, receiving and the schedule's bookkeeping. ``stage`` is the rank's
+    place in the pipeline group; with ``virtual`` > 1 it runs that many
+    stages. ``bubble_theory`` is spec.bubble_fraction's, for equal stages and
+    free communication ((stages - 1) / (microbatches + stages - 1) for GPipe
+    and 1F1B).
     """
 
     rank: int
@@ -233,6 +235,7 @@ class PipelineStep:
     schedule: str
     step_s: float
     compute_s: float
+    virtual: int = 1  # stages this rank runs (the interleaved schedules' V)
     schema: int = SCHEMA_VERSION
 
     @property
@@ -243,7 +246,7 @@ class PipelineStep:
     def bubble_theory(self) -> float:
         from .spec import bubble_fraction
 
-        return bubble_fraction(self.stages, self.microbatches)
+        return bubble_fraction(self.stages, self.microbatches, self.schedule, self.virtual)
 
 
 # RunRecords list -> record type (JSON keys), and the CSV "kind" of each

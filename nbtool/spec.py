@@ -12,7 +12,9 @@ import json
 from dataclasses import MISSING, asdict, dataclass, field, fields
 
 NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp")
-SCHEDULES = ("gpipe", "1f1b")
+# torch.distributed.pipelining's schedules: one stage per rank, then several (virtual stages) per rank
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "interleaved-zb", "zbv")
+MULTI_STAGE = ("interleaved-1f1b", "interleaved-zb", "zbv")
 
 
 COMPRESSIONS = ("fp16", "bf16", "powersgd")
@@ -33,9 +35,29 @@ def compression(spec: "StrategySpec") -> tuple[str, int, int] | None:
     return kind, rank, start
 
 
-def bubble_fraction(stages: int, microbatches: int) -> float:
-    """Idle fraction of a step for equal stages under GPipe or 1F1B: (p - 1) / (M + p - 1)."""
-    return (stages - 1) / (microbatches + stages - 1)
+def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Idle fraction of a step in theory: p ranks, M micro-batches, V stages per rank, every stage
+    equally fast and communication free, a backward twice a forward (B + W = 2F).
+
+    GPipe, 1F1B: (p - 1) / (M + p - 1). Interleaved 1F1B (Megatron's): the warm-up and drain are
+    of chunks 1/V the size, (p - 1) / (V M + p - 1). Interleaved zero bubble (ZB-1P, ZB-H1 per chunk):
+    the weight gradients fill two thirds of each gap, (p - 1) / (3 V M + p - 1). ZB-V: with F = B = W
+    the V shape fills the bubble entirely, 0 (the paper's (p - 1)(F + B - 2W)).
+    """
+    p, m, v = stages, microbatches, virtual
+    if schedule == "zbv":
+        return 0.0
+    if schedule == "interleaved-zb":
+        return (p - 1) / (3 * v * m + p - 1)
+    return (p - 1) / (v * m + p - 1)
+
+
+def pipeline_schedule(spec: "StrategySpec") -> tuple[str, int]:
+    """(schedule, stages per rank) of a pp line: --virtual-stages alone means interleaved-1f1b; a
+    multi-stage schedule alone means 2 per rank; default 1f1b with one."""
+    v = spec.virtual_stages
+    schedule = spec.schedule or ("interleaved-1f1b" if (v or 1) > 1 else "1f1b")
+    return schedule, v or (2 if schedule in MULTI_STAGE else 1)
 # strategies that take a --dp/--tp/--pp layout (fsdp: FSDP over the data-parallel dimension)
 LAYOUT_NAMES = ("tp", "pp", "fsdp")
 PRECISIONS = ("fp32", "bf16", "fp16")
@@ -164,7 +186,11 @@ class StrategySpec:
     microbatches: int | None = option(None, group="layout options (tp, pp, fsdp)", type="positive_int",
                                       metavar="M", help="pp: micro-batches per batch (default 2 x pp)")
     schedule: str | None = option(None, group="layout options (tp, pp, fsdp)", choices=SCHEDULES,
-                                  help="pp: gpipe or 1f1b (default 1f1b)")
+                                  help="pp: gpipe, 1f1b (default), or with several stages per rank "
+                                       "interleaved-1f1b, interleaved-zb (zero bubble) or zbv (zero bubble, V shape)")
+    virtual_stages: int | None = option(None, group="layout options (tp, pp, fsdp)", type="positive_int",
+                                        metavar="V", help="pp: stages per rank for the interleaved schedules "
+                                        "(default 2; zbv: exactly 2); alone it means --schedule interleaved-1f1b")
     ds_config: dict | None = option(None, group="zero options", applies=ZERO_NAMES, type="json_file", compare=False,
                                     metavar="FILE", help="start from this DeepSpeed JSON")
     # every N optimizer steps, save a checkpoint to checkpoint_dir (nbtool.rank.checkpoint)
@@ -194,6 +220,11 @@ class StrategySpec:
 
     def as_dict(self) -> dict:
         return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "StrategySpec":
+        """The spec back from as_dict's JSON (where the class-list options became lists)."""
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
 
 OPTION_FIELDS = tuple(f for f in fields(StrategySpec) if f.metadata.get("option"))
@@ -400,7 +431,8 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
         raise SpecError(f"--sp splits activations along the sequence inside a tensor-parallel group; "
                         f"it needs tp >= 2 (got tp({tp})): use %%distributed tp --tp 2 --sp")
     if pp < 2:
-        for opt, given in (("--microbatches", spec.microbatches), ("--schedule", spec.schedule)):
+        for opt, given in (("--microbatches", spec.microbatches), ("--schedule", spec.schedule),
+                           ("--virtual-stages", spec.virtual_stages)):
             if given is not None:
                 raise SpecError(f"{opt} applies to pipeline parallelism; it needs pp >= 2 (got pp({pp})): "
                                 f"use %%distributed pp --pp 2 {opt} ...")
@@ -410,6 +442,7 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
         if spec.microbatches is not None and spec.microbatches < pp:
             raise SpecError(f"--microbatches {spec.microbatches} is fewer than the pp({pp}) stages; "
                             f"every stage needs work: use --microbatches >= {pp}")
+        _validate_schedule(spec, pp)
         if spec.grad_accum > 1:
             raise SpecError("--grad-accum with pipeline parallelism: the micro-batches already accumulate "
                             "gradients within a step; use --microbatches M")
@@ -421,6 +454,28 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
     if spec.precision == "fp16" and n != "fsdp":
         raise SpecError(f"{n} --precision fp16: nbtool wires no loss scaler into tp or pp, and fp16 without "
                         "one underflows; use --precision bf16 (autocast, fp32 weights)")
+
+
+def _validate_schedule(spec: StrategySpec, pp: int) -> None:
+    """Stages per rank against the schedule, and torch's rule for the interleaved ones' micro-batches."""
+    schedule, v = pipeline_schedule(spec)
+    if schedule not in MULTI_STAGE and v > 1:
+        raise SpecError(f"--virtual-stages {v} with --schedule {schedule}: {schedule} runs one stage per rank; "
+                        f"use --schedule {' or '.join(MULTI_STAGE)}")
+    if schedule in MULTI_STAGE and v < 2:
+        raise SpecError(f"--schedule {schedule} runs several stages per rank; it needs --virtual-stages >= 2")
+    if schedule == "zbv" and v != 2:
+        raise SpecError(f"--schedule zbv --virtual-stages {v}: ZB-V runs exactly 2 stages per rank (a V "
+                        "shape); use --virtual-stages 2 or --schedule interleaved-zb")
+    if v > 1 and spec.name == "fsdp":
+        raise SpecError(f"fsdp --pp {pp} --virtual-stages {v}: nbtool runs several stages per rank without FSDP "
+                        f"only; use pp --pp {pp} --virtual-stages {v} (or tp --pp), or one stage per rank")
+    m = spec.microbatches or 2 * pp
+    rounds = max(1, m // pp)
+    if schedule in ("interleaved-1f1b", "interleaved-zb") and m % rounds:
+        raise SpecError(f"--microbatches {m} with {schedule} on pp({pp}): torch runs the micro-batches in "
+                        f"rounds of pp, so M must be a multiple of max(1, M // pp) = {rounds}; "
+                        f"use --microbatches {rounds * pp}")
 
 
 def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:

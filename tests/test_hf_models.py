@@ -17,17 +17,17 @@ from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCaus
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
 
 CONFIGS = {
-    "llama": lambda: LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "llama": lambda layers=2: LlamaForCausalLM(LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                   max_position_embeddings=64)),
-    "qwen2": lambda: Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "qwen2": lambda layers=2: Qwen2ForCausalLM(Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                   max_position_embeddings=64)),
-    "mistral": lambda: MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    "mistral": lambda layers=2: MistralForCausalLM(MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
                                                         num_attention_heads=4, num_key_value_heads=2, vocab_size=128,
                                                         max_position_embeddings=64, sliding_window=8)),
     # no dropout, so every strategy draws the same (no) random numbers
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+    "gpt2": lambda layers=2: GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=layers, n_head=4, vocab_size=128, n_positions=64,
                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
 _ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
@@ -119,15 +119,15 @@ class GPT(nn.Module):
         loss = None if targets is None else _lm_loss(logits, targets)
         return logits, loss
 
-CONFIGS["nanogpt"] = GPT
+CONFIGS["nanogpt"] = lambda layers=2: GPT(layers=layers)
 
 def _lm_loss(out, y):  # next-token loss of HF's .logits, nanoGPT's (logits, loss), or a last stage's logits
     logits = out.logits if hasattr(out, "logits") else out[0] if isinstance(out, tuple) else out
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.size(-1)), y[:, 1:].reshape(-1))
 
-def _losses(strategy, family, steps=3, seed=0):  # fp32 losses of SGD steps on one global batch of 8, any layout
+def _losses(strategy, family, steps=3, seed=0, layers=2):  # fp32 losses of SGD steps on one global batch of 8
     torch.manual_seed(seed)
-    model = CONFIGS[family]()
+    model = CONFIGS[family](layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     model, optimizer = strategy.prepare(model, optimizer, loss_fn=_lm_loss)
     per = 8 // strategy.dp_size
@@ -157,12 +157,13 @@ FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "nanogpt"]
 _REFERENCE: dict = {}  # family -> ddp's losses
 
 
-def _ddp_losses(nano, family):
-    if family not in _REFERENCE:
-        nano.run_cell(f"%%distributed ddp --quiet --no-metrics\n_ref = _losses(strategy, {family!r})").raise_error()
+def _ddp_losses(nano, family, layers=2):
+    if (family, layers) not in _REFERENCE:
+        nano.run_cell(f"%%distributed ddp --quiet --no-metrics\n_ref = _losses(strategy, {family!r}, layers={layers})"
+                      ).raise_error()
         nano.run_line_magic("dist_pull", "_ref --rank 0")
-        _REFERENCE[family] = nano.user_ns["_ref"]
-    return _REFERENCE[family]
+        _REFERENCE[family, layers] = nano.user_ns["_ref"]
+    return _REFERENCE[family, layers]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -179,6 +180,21 @@ def test_every_strategy_trains_real_models_as_ddp_does(nano, family, strategy):
     nano.run_line_magic("dist_pull", "_run --rank 0")
     run = nano.user_ns["_run"]
     assert len(run) == len(ref) and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, run)), (ref, run)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt"])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zbv"])
+def test_schedules_with_two_stages_per_rank_train_real_models_as_ddp_does(nano, family, schedule):
+    """4 blocks as 4 stages on 2 ranks. Interleaved: rank 0 runs stages 0 and 2, so GPT-2's tied
+    embedding and head sit on different ranks; ZB-V: rank 0 runs stages 0 and 3, both copies of the
+    tied weight on one rank, one tensor whose gradient both stages add to, scaled once."""
+    ref = _ddp_losses(nano, family, layers=4)
+    nano.run_cell(f"%%distributed pp --schedule {schedule} --quiet --no-metrics\n"
+                  f"_run = _losses(strategy, {family!r}, layers=4)\n_stage = strategy.describe()['stage']").raise_error()
+    nano.run_line_magic("dist_pull", "_run _stage --rank 0")
+    run = nano.user_ns["_run"]
+    assert nano.user_ns["_stage"].startswith("stages 0, 3 of 4" if schedule == "zbv" else "stages 0, 2 of 4")
+    assert all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, run)) and len(run) == len(ref), (ref, run)
 
 
 # every strategy saves once and loads once (a cycle), plus zero3 into itself
@@ -214,7 +230,7 @@ def test_pipeline_refuses_a_forward_it_does_not_reproduce(nano):
                   "        x = 2.0 * self.transformer.wte(idx) + self.transformer.wpe(torch.arange(idx.shape[1]))\n"
                   "        for b in self.transformer.h:\n            x = b(x)\n"
                   "        return self.lm_head(self.transformer.ln_f(x)), None\n"
-                  "CONFIGS['scaled'] = _Scaled").raise_error()
+                  "CONFIGS['scaled'] = lambda layers=2: _Scaled(layers=layers)").raise_error()
     res = nano.run_cell("%%distributed pp --quiet --no-metrics\n_losses(strategy, 'scaled')")
     text = str(res.error_in_exec)
     assert not res.success and "_Scaled's own forward does more than nbtool's gpt stages run" in text

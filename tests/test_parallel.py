@@ -219,6 +219,26 @@ def test_pp_sends_one_activation_per_microbatch_and_measures_its_bubble(ranks, s
     assert [r["stage"] for r in rows] == [0, 1] and all(0 <= r["bubble"] < 1 for r in rows)
 
 
+@pytest.mark.parametrize("schedule,sends,bubble", [("interleaved-1f1b", 12, 1 / 9), ("interleaved-zb", 12, 1 / 25),
+                                                    ("zbv", 8, 0.0)])
+def test_schedules_with_two_stages_per_rank_match_the_reference(ranks, schedule, sends, bubble):
+    """4 blocks as 4 stages on 2 ranks, 4 micro-batches. Every boundary between stages carries M
+    activations forward and M gradients back, sent by one rank and received by the other: 3
+    boundaries cross ranks in the interleaved loop (12 sends per rank), 2 in ZB-V's V shape, whose
+    middle hop (stages 1 -> 2) stays on rank 1 (8 sends)."""
+    ref_losses, ref_sd = reference(4)
+    out, run = train(ranks, f"pp --schedule {schedule} --microbatches 4", layers=4)
+    for r in out:
+        assert r["losses"] == pytest.approx(ref_losses, rel=TOL), (schedule, r["losses"], ref_losses)
+    for k, v in ref_sd.items():
+        torch.testing.assert_close(out[0]["sd"][k], v, rtol=TOL, atol=TOL, msg=f"{schedule}: {k}")
+    for rank in (0, 1):
+        assert per_step(run, rank, 3)["send"] == per_step(run, rank, 3)["recv"] == sends
+    assert out[0]["desc"]["stage"].startswith("stages 0, 3 of 4" if schedule == "zbv" else "stages 0, 2 of 4")
+    assert {p.virtual for p in run.pipeline} == {2}
+    assert all(p.bubble_theory == pytest.approx(bubble) and 0 < p.compute_s <= p.step_s for p in run.pipeline)
+
+
 def test_hand_written_layers_match_dtensor_and_communicate_once_each_way(ranks):
     cell = """%%distributed --quiet
 import copy
@@ -260,6 +280,8 @@ _hand = dict(fwd=n1 - n0, bwd=n2 - n1,
 REFUSALS = [
     ("tp", "TinyTransformer(dim=24, heads=3)", "3 heads are not divisible by tp(2)"),
     ("pp", "TinyTransformer(layers=3)", "3 blocks in blocks do not divide into pp(2) stages"),
+    ("pp --virtual-stages 2", "TinyTransformer(layers=2)",
+     "2 blocks in blocks do not divide into pp(2) x 2 virtual stages = 4 stages"),
     ("tp", "TinyTransformer(), plan={'blocks.0.atn.q_proj': None}", "plan entry 'blocks.0.atn.q_proj' names no module"),
     ("ddp", "TinyTransformer(), plan={}", "plan= is a tensor-parallel plan; ddp does not use one"),
 ]
@@ -305,6 +327,12 @@ LAYOUTS = [  # (line, world size, message)
     ("tp --precision fp16", 2, "tp --precision fp16: nbtool wires no loss scaler into tp or pp"),
     ("tp --offload", 2, "--offload with tp(2)"),
     ("pp --wrap Block", 2, "--wrap does not apply to pp"),
+    ("pp --schedule 1f1b --virtual-stages 2", 2, "--virtual-stages 2 with --schedule 1f1b: 1f1b runs one stage"),
+    ("pp --schedule interleaved-zb --virtual-stages 1", 2, "it needs --virtual-stages >= 2"),
+    ("pp --schedule zbv --virtual-stages 3", 2, "ZB-V runs exactly 2 stages per rank"),
+    ("fsdp --pp 2 --virtual-stages 2", 2, "nbtool runs several stages per rank without FSDP only"),
+    ("tp --virtual-stages 2", 2, "--virtual-stages applies to pipeline parallelism"),
+    ("pp --schedule interleaved-1f1b --microbatches 5", 2, "M must be a multiple of max(1, M // pp) = 2"),
     ("fsdp --tp 3 --dp 2", 4, "dp(2) * tp(3) * pp(1) != world_size(4)"),
 ]
 

@@ -30,7 +30,7 @@ SAMPLES = {
     "overlap_comm": ("zero2", None, True), "contiguous_gradients": ("zero2", None, True),
     "reduce_bucket_mb": ("zero2", "2", 2.0), "allgather_bucket_mb": ("zero2", "2", 2.0),
     "micro_batch": ("zero1", "4", 4), "dp": ("fsdp", "2", 2), "tp": ("tp", "2", 2), "pp": ("pp", "2", 2),
-    "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"),
+    "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"), "virtual_stages": ("pp", "2", 2),
     "ds_config": ("zero2", "{path}", {"zero_optimization": {"stage": 2}}),
     "checkpoint_every": ("ddp", "5", 5), "checkpoint_dir": ("ddp", "ckpts --checkpoint-every 5", "ckpts"),
     "memory_timeline": ("fsdp", "timelines", "timelines"), "compress": ("ddp", "fp16", "fp16"),

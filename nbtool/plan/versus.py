@@ -118,10 +118,8 @@ def error_table(results: list, deterministic: bool = False) -> str:
 
 
 def spec_of(run) -> StrategySpec:
-    fields = dict(run.description.spec)
-    if isinstance(fields.get("wrap"), list):
-        fields["wrap"] = tuple(fields["wrap"])
-    return StrategySpec(**fields) if fields else StrategySpec(run.strategy)
+    fields = run.description.spec
+    return StrategySpec.from_dict(fields) if fields else StrategySpec(run.strategy)
 
 
 def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: one stage of the model per rank, micro-batches through a schedule.
+"""Pipeline parallelism: one stage of the model per rank (or several), micro-batches through a schedule.
 
 The split follows torchtitan's convention. The repeated blocks (the model's
 ModuleList) are divided evenly between the stages. Stage 0 also keeps what
@@ -12,13 +12,17 @@ blocks keep their global index, so parameter names match the whole model's.
 Schedules come from ``torch.distributed.pipelining`` (GPipe: all forwards,
 then all backwards; 1F1B: one forward one backward in the steady state,
 fewer activations alive). With equal stages both leave each stage idle for
-(pp - 1) / (M + pp - 1) of a step, the bubble. ``StageClock`` measures how
+(pp - 1) / (M + pp - 1) of a step, the bubble. The interleaved and
+zero-bubble schedules run several stages per rank (``stage_indices``): the
+model then keeps the union of the rank's parts, and each stage runs a view
+of it (``stage_view``); spec.bubble_fraction has each schedule's theory. ``StageClock`` measures how
 long the stage actually computes, so the bubble shown is measured, not
 assumed; it also holds the sends and receives (on CPU ranks a gloo round
 trip costs about as much as a small layer) and any imbalance of the stages.
 """
 from __future__ import annotations
 
+import copy
 import time
 
 import torch
@@ -28,33 +32,78 @@ from . import model_adapters
 from .strategies.base import StrategyError
 
 
-def split_stage(model: nn.Module, stage: int, stages: int) -> tuple[nn.Module, list[str], list]:
-    """Cut ``model`` down, in place, to pipeline stage ``stage`` of ``stages``.
+def stage_indices(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``rank`` runs: itself with one per rank; with ``virtual`` per rank,
+    every pp-th stage (the interleaved loop), or ZB-V's V shape (rank and 2 pp - 1 - rank)."""
+    if virtual == 1:
+        return [rank]
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(virtual)]
 
-    Returns the module the schedule runs for this stage (the model itself for
-    the ``toplevel`` shape, else a StageModule around it), the parts kept,
-    and the weights tied across stages (see ``tied_across_stages``).
+
+def split_stages(model: nn.Module, mine: list[int], stages: int, layout: str) -> tuple[list, list[str], list]:
+    """Cut ``model`` down, in place, to the blocks of this rank's stages ``mine`` (of ``stages``).
+
+    ``model`` keeps the union of this rank's parts (its parameters, state dict and optimizer are
+    this rank's). Returns the module the schedule runs for each stage in ``mine`` (with one stage,
+    the model itself for the ``toplevel`` shape, else a StageModule around it; with several, a view
+    per stage: shallow copies of the modules from the root to the blocks' owner, sharing every
+    other module and parameter with ``model``), the parts kept, and the weights tied across stages
+    (see ``tied_across_stages``). ``layout`` names the split in messages.
     """
     shape = model_adapters.decoder(model)
     blocks = shape.blocks
     prefix = shape.qualified(shape.trunk, shape.blocks_attr)
     n = len(blocks)
     if n % stages:
-        raise StrategyError(f"{n} blocks in {prefix} do not divide into pp({stages}) stages; "
-                            f"use a pp that divides {n}, or a model with a multiple of {stages} blocks")
+        raise StrategyError(f"{n} blocks in {prefix} do not divide into {layout}; use a number of stages that "
+                            f"divides {n}, or a model with a multiple of {stages} blocks")
     model_adapters.check_stages(model, shape)  # before anything is cut
     per = n // stages
-    lo, hi = stage * per, (stage + 1) * per
-    first, last = stage == 0, stage == stages - 1
+    first, last = 0 in mine, stages - 1 in mine
     tied = tied_across_stages(model, shape, stages, per)
-    setattr(shape.trunk, shape.blocks_attr, model_adapters.KeptBlocks({str(j): blocks[j] for j in range(lo, hi)}))
+    own = {s: {str(j): blocks[j] for j in range(s * per, (s + 1) * per)} for s in mine}
+    views = [stage_view(model, shape, own[s], s == 0, s == stages - 1) for s in mine] if len(mine) > 1 else None
+    setattr(shape.trunk, shape.blocks_attr, model_adapters.KeptBlocks(
+        {k: b for s in sorted(mine) for k, b in own[s].items()}))
     kept = [shape.qualified(o, a) for o, a in shape.before] if first else []
-    kept.append(f"{prefix}.{lo}-{hi - 1}")
+    kept += [f"{prefix}.{s * per}-{(s + 1) * per - 1}" for s in sorted(mine)]
     kept += [shape.qualified(o, a) for o, a in shape.after] if last else []
     for owner, attr in (() if first else shape.before) + (() if last else shape.after):
         setattr(owner, attr, None)
+    if views is not None:
+        return views, kept, tied
     run = model if shape.kind == "toplevel" else model_adapters.StageModule(model, shape, first, last)
-    return run, kept, tied
+    return [run], kept, tied
+
+
+def stage_view(model: nn.Module, shape, blocks: dict, first: bool, last: bool) -> nn.Module:
+    """One stage of several on a rank: the model's modules from the root to the blocks' owner copied
+    shallowly (their own child tables), holding ``blocks`` and, on the first and last stages, the
+    parts before and after them; every other module and parameter is ``model``'s own, so the
+    stages' gradients land on the same parameters (a tied weight held twice is one tensor)."""
+    def shallow(m):
+        c = copy.copy(m)
+        c._modules = dict(m._modules)
+        return c
+
+    root = shallow(model)
+    copies = {id(model): root}
+    owner, orig = root, model
+    for name in shape.trunk_name.split(".") if shape.trunk_name else ():
+        orig = orig._modules[name]
+        owner._modules[name] = owner = copies[id(orig)] = shallow(orig)
+    owner._modules[shape.blocks_attr] = model_adapters.KeptBlocks(blocks)
+    for o, a in (() if first else shape.before) + (() if last else shape.after):
+        copies[id(o)]._modules[a] = None
+    if shape.kind == "toplevel":
+        return root
+    view = model_adapters.Decoder(
+        shape.kind, shape.trunk_name, copies[id(shape.trunk)], shape.blocks_attr,
+        tuple((copies[id(o)], a) for o, a in shape.before), tuple((copies[id(o)], a) for o, a in shape.after),
+        copies.get(id(shape.head_owner)))
+    return model_adapters.StageModule(root, view, first, last)
 
 
 def tied_across_stages(model: nn.Module, shape, stages: int, per: int) -> list:
@@ -87,6 +136,9 @@ class StageClock:
 
     def __init__(self, stage):
         self.compute_s = 0.0
+        self.watch_stage(stage)
+
+    def watch_stage(self, stage) -> None:
         self._wrap(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
                            "scale_grads"))
 
@@ -110,17 +162,37 @@ class StageClock:
         return timed
 
 
-def build_schedule(stage_model: nn.Module, stage: int, stages: int, device, group, schedule: str,
+def build_schedule(runs: list, mine: list[int], stages: int, device, group, schedule: str,
                    microbatches: int, loss_fn):
-    """The PipelineStage for this rank and its schedule, plus the clock timing its compute."""
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    """The PipelineStages of this rank and their schedule, plus the clock timing their compute.
 
-    pipe_stage = PipelineStage(stage_model, stage, stages, device, group=group)
-    clock = StageClock(pipe_stage)
-    cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[schedule]
-    sched = cls(pipe_stage, microbatches, loss_fn=loss_fn)
+    With several stages per rank the schedule leaves the gradients unscaled (scale_grads=False):
+    it would divide per stage, twice for a weight two of this rank's stages share; the strategy
+    divides each parameter's once (``scale_once``).
+    """
+    from torch.distributed import pipelining as pl
+
+    pipe_stages = [pl.PipelineStage(run, s, stages, device, group=group) for run, s in zip(runs, mine)]
+    clock = StageClock(pipe_stages[0])
+    for extra in pipe_stages[1:]:
+        clock.watch_stage(extra)
+    if len(pipe_stages) == 1:
+        cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}[schedule]
+        sched = cls(pipe_stages[0], microbatches, loss_fn=loss_fn)
+    else:
+        cls = {"interleaved-1f1b": pl.ScheduleInterleaved1F1B, "interleaved-zb": pl.ScheduleInterleavedZeroBubble,
+               "zbv": pl.ScheduleZBVZeroBubble}[schedule]
+        sched = cls(pipe_stages, microbatches, loss_fn=loss_fn, scale_grads=False)
     clock.watch_schedule(sched)
     return sched, clock
+
+
+@torch.no_grad()
+def scale_once(model: nn.Module, microbatches: int) -> None:
+    """The mean over the micro-batches: each gradient (summed over them) divided once."""
+    for p in model.parameters():
+        if p.grad is not None:
+            p.grad.div_(microbatches)
 
 
 def check_batch(inputs, microbatches: int) -> None:

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...metrics import PipelineStep
 from .base import Strategy, StrategyError, autocast_forward, param_names, repoint_optimizer
-from ...spec import ParallelDims
+from ...spec import ParallelDims, pipeline_schedule
 from ..groups import layout_mesh
 
 
@@ -39,7 +39,11 @@ class MeshStrategy(Strategy):
         self.mesh = layout_mesh(device.type, self.dims)
         self.coords = {d: self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp")}
         self.microbatches = spec.microbatches or 2 * self.pp
-        self.schedule = spec.schedule or "1f1b"
+        self.schedule, self.virtual = pipeline_schedule(spec)
+        from ..pipeline import stage_indices
+
+        self.stage_ids = stage_indices(self.coords["pp"], self.pp, self.virtual, self.schedule)
+        self.stages_total = self.pp * self.virtual
         self.plan: dict = {}
         self.stage_parts: list[str] = []
         self.units: list[str] = []
@@ -60,11 +64,21 @@ class MeshStrategy(Strategy):
 
     @property
     def is_first_stage(self) -> bool:
-        return self.coords["pp"] == 0
+        """This rank runs the first stage (it feeds the inputs)."""
+        return 0 in self.stage_ids
 
     @property
     def is_last_stage(self) -> bool:
-        return self.coords["pp"] == self.pp - 1
+        """This rank runs the last stage (it computes the loss)."""
+        return self.stages_total - 1 in self.stage_ids
+
+    def _last_stage_rank(self) -> int:
+        """The global rank, in this rank's pipeline group, that runs the last stage."""
+        from ..pipeline import stage_indices
+
+        holder = next(r for r in range(self.pp) if self.stages_total - 1 in
+                      stage_indices(r, self.pp, self.virtual, self.schedule))
+        return dist.get_global_rank(self.mesh["pp"].get_group(), holder)
 
     # -- wrapping ------------------------------------------------------------------
     def _wrap(self, model, optimizer):
@@ -82,7 +96,10 @@ class MeshStrategy(Strategy):
                 raise StrategyError("pp runs forward and backward together per micro-batch, so it needs the "
                                     "loss: strategy.prepare(model, optimizer, loss_fn=loss_fn), then "
                                     "loss = strategy.forward_backward(inputs, targets)")
-            stage_model, self.stage_parts, self._tied = pipeline.split_stage(model, self.coords["pp"], self.pp)
+            split = (f"pp({self.pp}) x {self.virtual} virtual stages = {self.stages_total} stages"
+                     if self.virtual > 1 else f"pp({self.pp}) stages")
+            runs, self.stage_parts, self._tied = pipeline.split_stages(model, self.stage_ids, self.stages_total,
+                                                                       split)
             if plan is not None:  # keep the entries for this stage's modules
                 plan = {k: v for k, v in plan.items() if tp_plan.matching({k: v}, model)[k]}
         model.to(self.device)
@@ -100,11 +117,12 @@ class MeshStrategy(Strategy):
         if self.name == "fsdp":
             self.units, _ = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
         elif self.spec.precision == "bf16":  # fsdp's is its MixedPrecisionPolicy
-            autocast_forward(stage_model if self.pp > 1 else model, self.device.type, torch.bfloat16)
+            for run in runs if self.pp > 1 else [model]:
+                autocast_forward(run, self.device.type, torch.bfloat16)
         repoint_optimizer(optimizer, model, groups, keep_missing=self.pp > 1)
         self._plain = model
         if self.pp > 1:
-            self._pipe = pipeline.build_schedule(stage_model, self.coords["pp"], self.pp, self.device,
+            self._pipe = pipeline.build_schedule(runs, self.stage_ids, self.stages_total, self.device,
                                                  self.mesh["pp"].get_group(), self.schedule,
                                                  self.microbatches, self.loss_fn)
             model.register_forward_pre_hook(self._refuse_direct_forward)
@@ -160,26 +178,27 @@ class MeshStrategy(Strategy):
         clock.compute_s = 0.0
         t0 = time.perf_counter()
         self._in_schedule = True
+        args = (inputs,) if self.is_first_stage else ()
+        kwargs = {"target": targets, "losses": losses} if self.is_last_stage else {}
         try:
-            if self.is_first_stage:
-                schedule.step(inputs)
-            elif self.is_last_stage:
-                schedule.step(target=targets, losses=losses)
-            else:
-                schedule.step()
+            schedule.step(*args, **kwargs)
         finally:
             self._in_schedule = False
+        if self.virtual > 1:
+            from ..pipeline import scale_once
+
+            scale_once(self._plain, self.microbatches)
         step_s = time.perf_counter() - t0
         self._micro += 1
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else \
             torch.zeros((), device=self.device)
         group = self.mesh["pp"].get_group()
-        dist.broadcast(loss, src=dist.get_global_rank(group, self.pp - 1), group=group)
+        dist.broadcast(loss, src=self._last_stage_rank(), group=group)
         if self.recorder is not None:
             self.recorder.on_record(PipelineStep(
                 rank=self.rank, step=self._steps + 1, t=time.time(), stage=self.coords["pp"], stages=self.pp,
                 microbatches=self.microbatches, schedule=self.schedule, step_s=step_s,
-                compute_s=clock.compute_s))
+                compute_s=clock.compute_s, virtual=self.virtual))
         return loss
 
     def _step(self, closure=None):
@@ -345,12 +364,18 @@ class MeshStrategy(Strategy):
         if self.heads:
             d["heads"] = list(self.heads)
         if self.pp > 1:
-            d["stage"] = f"{c['pp']} of {self.pp}: {', '.join(self.stage_parts)}"
+            held = (f"stages {', '.join(map(str, self.stage_ids))} of {self.stages_total}" if self.virtual > 1
+                    else f"{c['pp']} of {self.pp}")
+            d["stage"] = f"{held}: {', '.join(self.stage_parts)}"
             if self._tied:
                 d["tied"] = [" = ".join(names) + " (a copy per stage, gradients summed over pp)"
                              for names, _ in self._tied]
-            d["schedule"] = (f"{self.schedule}, {self.microbatches} micro-batches per batch; bubble for equal "
-                             f"stages (p-1)/(M+p-1) = {bubble_fraction(self.pp, self.microbatches):.1%}")
+            theory = bubble_fraction(self.pp, self.microbatches, self.schedule, self.virtual)
+            formula = {"zbv": "0 (F = B = W)", "interleaved-zb": "(p-1)/(3VM+p-1)",
+                       "interleaved-1f1b": "(p-1)/(VM+p-1)"}.get(self.schedule, "(p-1)/(M+p-1)")
+            per_rank = f", {self.virtual} stages per rank" if self.virtual > 1 else ""
+            d["schedule"] = (f"{self.schedule}, {self.microbatches} micro-batches per batch{per_rank}; bubble "
+                             f"for equal stages {formula} = {theory:.1%}")
         if self.units:
             d["units"] = list(self.units)
         if self.name == "fsdp" and self.spec.precision == "bf16":
