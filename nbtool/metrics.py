@@ -268,6 +268,7 @@ class RunDescription:
     model_shape: dict = field(default_factory=dict)  # layers, hidden, heads, vocab, largest_layer (ModelShape)
     batch: dict = field(default_factory=dict)  # the first batch on rank 0: samples, tokens, seq (ids only)
     spec: dict = field(default_factory=dict)  # the StrategySpec's fields (nbtool.spec), for the planner and advice
+    compile: list = field(default_factory=list)  # [step, seconds] torch.compile spent (--compile), rank 0's
 
 
 @dataclass

@@ -100,8 +100,13 @@ def peak_rss(run: RunRecords, rank: int) -> int:
 
 
 def summary(run: RunRecords) -> dict:
-    """The comparison row for a run (rank 0 for per-step figures, all ranks for memory)."""
-    steps = step_table(run, 0)
+    """The comparison row for a run (rank 0 for per-step figures, all ranks for memory).
+
+    Under --compile, ``compile_s`` is the seconds torch.compile spent, and steps in which it
+    compiled are left out of the per-step figures (step 1 always is: step_table starts at 2).
+    """
+    compiled = {int(step) for step, _ in run.description.compile}
+    steps = [s for s in step_table(run, 0) if s["step"] not in compiled] or step_table(run, 0)
     ranks = range(run.world_size)
     ledgers = {r: peak_ledger(run, r) for r in ranks}
     ops = sorted({op for s in steps for op in s["bytes_by_op"]})
@@ -122,6 +127,7 @@ def summary(run: RunRecords) -> dict:
         "exposed_s_per_step": (mean([s["exposed_s"] for s in steps])
                                if steps and all(s["exposed_s"] is not None for s in steps) else None),
         "final_loss": losses[-1].values["loss"] if losses else None,
+        "compile_s": sum(seconds for _, seconds in run.description.compile),
     }
 
 

@@ -113,6 +113,10 @@ class StrategySpec:
         help="recompute activations of modules of CLASS in backward (default: the repeated block)")
     seed: int = option(0, group="training options", type="int",
                        help="seed torch/random/numpy on every rank (default 0)")
+    compile: bool = option(False, group="training options", kind="switch",
+                           help="torch.compile (inductor): the DDP-wrapped model, each repeated block before "
+                                "FSDP or pipeline stages, DeepSpeed's engine.compile(); compile seconds "
+                                "reported apart from the step times")
     grad_clip: float | None = option(  # max global gradient norm; None: no clipping
         None, group="training options", type="positive_number", metavar="NORM",
         help="clip the global gradient norm at NORM before each step (default: no clipping)")
@@ -448,6 +452,14 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
                             "gradients within a step; use --microbatches M")
     if not spec.is_mesh:
         return
+    if spec.compile and tp > 1:
+        raise SpecError(f"--compile with tp({tp}): the tensor-parallel collectives would be traced into the compiled "
+                        "graph, where nbtool's recorder does not see them (bytes and times would read low); "
+                        "drop --compile, or compile with ddp, fsdp, zero* or pp")
+    if spec.compile and pp > 1 and pipeline_schedule(spec)[0] in ("interleaved-zb", "zbv"):
+        raise SpecError(f"--compile with --schedule {pipeline_schedule(spec)[0]}: the zero-bubble schedules split "
+                        "backward into input and weight gradients, which torch.compile does not support "
+                        "(torch's pipelining refuses it); use --schedule interleaved-1f1b or 1f1b")
     if spec.offload is not None:
         raise SpecError(f"--offload with tp({tp}) / pp({pp}): nbtool offloads only plain fsdp and zero*; "
                         "drop --offload, or use fsdp --offload without --tp/--pp")

@@ -93,7 +93,7 @@ TOL = 1e-5
 
 
 @pytest.mark.parametrize("line", ["tp", "tp --sp", "pp --schedule gpipe", "pp --schedule 1f1b",
-                                  "fsdp --tp 2", "fsdp --tp 2 --sp", "fsdp --pp 2"])
+                                  "fsdp --tp 2", "fsdp --tp 2 --sp", "fsdp --pp 2", "pp --compile"])
 def test_layout_matches_single_process_reference(ranks, ref, line):
     out, run = train(ranks, line)
     ref_losses, ref_sd = ref[2]
@@ -332,6 +332,7 @@ LAYOUTS = [  # (line, world size, message)
     ("pp --schedule zbv --virtual-stages 3", 2, "ZB-V runs exactly 2 stages per rank"),
     ("fsdp --pp 2 --virtual-stages 2", 2, "nbtool runs several stages per rank without FSDP only"),
     ("tp --virtual-stages 2", 2, "--virtual-stages applies to pipeline parallelism"),
+    ("pp --compile --schedule zbv", 2, "--compile with --schedule zbv: the zero-bubble schedules split backward"),
     ("pp --schedule interleaved-1f1b --microbatches 5", 2, "M must be a multiple of max(1, M // pp) = 2"),
     ("fsdp --tp 3 --dp 2", 4, "dp(2) * tp(3) * pp(1) != world_size(4)"),
 ]

@@ -19,9 +19,9 @@ SETUP = """%%distributed --quiet
 from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 _pdata = SyntheticTokens(64)
 
-def _ptrain(strategy, steps=3, batch=4):
+def _ptrain(strategy, steps=3, batch=4, layers=2):
     torch.manual_seed(0)
-    model = TinyTransformer(layers=2)
+    model = TinyTransformer(layers=layers)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss)
     losses = []
@@ -42,10 +42,10 @@ def four(ip, make_cluster):
     return ip
 
 
-def reference():
+def reference(layers: int = 2):
     """Two data-parallel replicas each read 4 of the 8 samples per step: the mean over 8."""
     torch.manual_seed(0)
-    model = TinyTransformer(layers=2)
+    model = TinyTransformer(layers=layers)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     data = SyntheticTokens(64).tokens
     # DistributedSampler (no shuffle) gives replica r samples r, r+2, r+4 ...: step s reads 2*4*s .. 2*4*(s+1)
@@ -63,13 +63,15 @@ def reference():
 @pytest.mark.parametrize("line,dims", [("fsdp --tp 2", "dp(2) x tp(2) x pp(1)"),
                                        ("tp --tp 2 --dp 2 --sp", "dp(2) x tp(2) x pp(1)"),
                                        ("pp --pp 2 --dp 2", "dp(2) x tp(1) x pp(2)"),
-                                       ("tp --tp 2 --pp 2", "dp(1) x tp(2) x pp(2)")])
+                                       ("tp --tp 2 --pp 2", "dp(1) x tp(2) x pp(2)"),
+                                       ("tp --tp 2 --pp 2 --schedule interleaved-zb", "dp(1) x tp(2) x pp(2)")])
 def test_4_rank_layouts_match_reference(four, line, dims):
-    four.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy, "
+    layers = 4 if "interleaved" in line else 2  # two stages per rank: 4 stages of one block
+    four.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy, layers={layers}, "
                   f"batch={4 if 'dp 2' in line or 'fsdp' in line else 8})").raise_error()
     four.run_line_magic("dist_pull", "_pout")
     out = four.user_ns["_pout"]
-    ref_losses, ref_sd = reference()
+    ref_losses, ref_sd = reference(layers)
     assert out[0]["desc"]["sharding"] == dims
     # each dp replica reports the loss of its own half-batch; their mean is the batch loss
     dp2 = "dp(2)" in dims

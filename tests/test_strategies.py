@@ -158,6 +158,35 @@ def test_fsdp_replicate_keeps_the_named_classes_whole_and_all_reduces_their_grad
     assert sum(c.size_bytes for c in step if c.op == "reduce_scatter") == 4 * (PSI - emb)
 
 
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "zero2"])
+def test_compile_keeps_the_maths_and_the_bytes_and_reports_its_seconds_apart(ranks, name):
+    """--compile on CPU ranks (inductor, the system compiler): losses as the eager run's, the same
+    collectives (their bytes) seen by the recorder, and the seconds dynamo spent compiling reported
+    apart, inside the cell's first step, and left out of the step time."""
+    import statistics
+
+    import nbtool
+    from nbtool import run_analysis
+    from widgets.compare import Comparison
+
+    eager = train(ranks, name)
+    eager_run = nbtool.last_run()
+    out = train(ranks, f"{name} --compile")
+    run = nbtool.last_run()
+    assert_same_losses(out[0]["losses"], eager[0]["losses"])
+    assert out[0]["desc"]["compile"].startswith("torch.compile (inductor): ")
+    summary = run_analysis.summary(run)
+    assert summary["bus_bytes_per_step"] == run_analysis.summary(eager_run)["bus_bytes_per_step"]
+    compiled = dict(run.description.compile)
+    assert summary["compile_s"] > 0 and set(compiled) == {1}  # all of it in the first step
+    first = min(m.t for m in run.steps if m.rank == 0 and m.step == 1)
+    assert first - run.t_start >= compiled[1]  # a second clock: the first step took at least that long
+    rows = run_analysis.step_table(run, 0)
+    assert summary["step_s"] == pytest.approx(statistics.fmean(r["seconds"] for r in rows))
+    text = Comparison([eager_run, run]).text()
+    assert "compile s" in text.splitlines()[0] and f"{summary['compile_s']:.1f}" in text.splitlines()[2]
+
+
 def test_offload_keeps_state_on_host(ranks):
     base = train(ranks, "zero3")[0]["losses"]
     z3 = train(ranks, "zero3 --offload both")
@@ -306,6 +335,7 @@ BAD_STRATEGY_LINES = [
     ("fsdp --dp-replicate 2 --dp-shard 2", "dp_replicate(2) x dp_shard(2) = 4 != world_size(2)"),
     ("fsdp --dp-shard 1 --tp 2", "--dp-replicate/--dp-shard with --tp/--pp"),
     ("zero3 --dp-shard 2", "--dp-shard does not apply to zero3; it applies to fsdp"),
+    ("tp --compile", "--compile with tp(2): the tensor-parallel collectives would be traced"),
 ]
 
 

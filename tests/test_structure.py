@@ -33,7 +33,7 @@ SAMPLES = {
     "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"), "virtual_stages": ("pp", "2", 2),
     "ds_config": ("zero2", "{path}", {"zero_optimization": {"stage": 2}}),
     "checkpoint_every": ("ddp", "5", 5), "checkpoint_dir": ("ddp", "ckpts --checkpoint-every 5", "ckpts"),
-    "memory_timeline": ("fsdp", "timelines", "timelines"), "compress": ("ddp", "fp16", "fp16"),
+    "memory_timeline": ("fsdp", "timelines", "timelines"), "compress": ("ddp", "fp16", "fp16"), "compile": ("ddp", None, True),
 }
 
 

@@ -43,9 +43,10 @@ class Comparison:
         bbus = base["bus_bytes_per_step"]
         cols = ["run", "model state MiB (max rank)", "vs first", "comm bus MiB/step", "vs first",
                 "by op: S MiB/step"]
+        compiled = any(row["compile_s"] for row in self.rows)
         if not deterministic:
             cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm busy ms/step",
-                     "comm exposed ms/step", "final loss"]
+                     "comm exposed ms/step", "final loss"] + (["compile s"] if compiled else [])
         out = []
         for row in self.rows:
             ms = max(row["model_state_bytes"].values() or [0])
@@ -58,6 +59,7 @@ class Comparison:
                           _ratio(row["step_s"], base["step_s"]), f"{row['comm_s_per_step'] * 1e3:.1f}",
                           "-" if row["exposed_s_per_step"] is None else f"{row['exposed_s_per_step'] * 1e3:.1f}",
                           "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"]
+                cells += [f"{row['compile_s']:.1f}" if row["compile_s"] else "-"] if compiled else []
             out.append(cells)
         return cols, out
 
@@ -82,7 +84,9 @@ class Comparison:
                 "within each step (overlapping async collectives count once); comm exposed = the part of it the "
                 "training thread was blocked on (blocking collectives whole, async ones while waited; '-' where that "
                 "is not observable: DDP's reducer waits inside C++, CUDA ranks time the device); ratios are to the "
-                "first run")
+                "first run" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "
+                                 "its steps left out of the step times" if any(r["compile_s"] for r in self.rows)
+                                 else ""))
         return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 

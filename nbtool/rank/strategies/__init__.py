@@ -71,6 +71,8 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
 
 def _stop_recorder() -> list:
     records = []
+    if _last is not None and _last.compile_clock is not None:
+        _last.compile_clock.stop()
     if _last is not None and _last.timeline is not None:
         timeline, _last.timeline = _last.timeline, None
         records.append(timeline.stop())
@@ -92,7 +94,8 @@ def finish(want_summary: bool = True) -> dict:
                 details=dict(_last.describe()), param_numels=list(_last._param_numels),
                 precision=_last.spec.precision, reshard_after_forward=_last.spec.reshard_after_forward,
                 dims=tuple(dims) if dims is not None else None, model_shape=dict(_last._model_shape),
-                batch=dict(_last.batch_seen), spec=_spec_fields(_last.spec))
+                batch=dict(_last.batch_seen), spec=_spec_fields(_last.spec),
+                compile=list(_last.compile_clock.events) if _last.compile_clock is not None else [])
     return out
 
 

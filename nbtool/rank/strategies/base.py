@@ -65,6 +65,8 @@ class Strategy:
         self._plain = None  # the model as the strategy holds it, before any outer wrapper
         self._model_shape: dict = {}  # layers, hidden, heads, vocab of the plain model (for the planner)
         self.batch_seen: dict = {}  # samples and tokens of the first batch strategy.dataloader gave
+        self.compiled: list[str] = []  # what --compile compiled (the strategy's _wrap says)
+        self.compile_clock = None  # a CompileClock under --compile (nbtool.rank.compile_time)
         _seed_everything(spec.seed)
 
     # -- the cell contract ---------------------------------------------------
@@ -151,6 +153,11 @@ class Strategy:
         if self.spec.activation_checkpointing is not None:
             self._apply_activation_checkpointing(model)
         wrapped, inner = self._wrap(model, optimizer)
+        if self.spec.compile:  # compilation happens in the first forward and backward
+            from ..compile_time import CompileClock
+
+            self.compile_clock = CompileClock(lambda: self._steps)
+            self.compile_clock.start()
         self.model = wrapped
         self.optimizer = StepOptimizer(self, inner)
         return wrapped, self.optimizer
@@ -272,6 +279,8 @@ class Strategy:
         """
         from .. import global_state
 
+        if self.compile_clock is not None:
+            self.compile_clock.stop()
         return global_state.restore(self._globals)
 
     # -- for subclasses --------------------------------------------------------
@@ -347,6 +356,8 @@ class Strategy:
             d["activation_checkpointing"] = f"{len(self._checkpointed)} x {self._ac_class}"
         if self.optimizer is not None:
             d["optimizer"] = _optimizer_impl(self.optimizer.inner)
+        if self.compiled:
+            d["compile"] = f"torch.compile (inductor): {', '.join(self.compiled)}"
         if self.notes:
             d["notes"] = list(self.notes)
         return d
@@ -360,6 +371,8 @@ class Strategy:
             parts.append(f"grad-accum {self.spec.grad_accum}")
         if self._checkpointed:
             parts.append(f"activation checkpointing on {d['activation_checkpointing']}")
+        if self.compiled:
+            parts.append("compiled")
         parts.append(f"optimizer {d.get('optimizer', '?')}")
         return [p for p in parts if p]
 

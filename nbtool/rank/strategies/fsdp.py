@@ -72,6 +72,10 @@ class FSDPStrategy(Strategy):
         groups = param_names(model, optimizer)
         if not self.spec.offload:
             model.to(self.device)
+        if self.spec.compile:  # per block, before fully_shard (torchtitan's order)
+            from ..compile_time import compile_blocks
+
+            self.compiled = compile_blocks(model)
         kind = self.device.type
         self.hsdp = hsdp_dims(self.spec, self.world_size)
         mesh = hsdp_mesh(kind, *self.hsdp) if self.hsdp else world_mesh(kind)

@@ -114,6 +114,10 @@ class MeshStrategy(Strategy):
             parallelize_module(model, self.mesh["tp"], plan)
             self.plan = plan
             self._permuted = tp_plan.permuted_params(plan, model)
+        if self.spec.compile:  # this stage's blocks, before FSDP (tp is refused: spec.py)
+            from ..compile_time import compile_blocks
+
+            self.compiled = compile_blocks(model)
         if self.name == "fsdp":
             self.units, _ = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
         elif self.spec.precision == "bf16":  # fsdp's is its MixedPrecisionPolicy

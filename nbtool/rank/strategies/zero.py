@@ -58,6 +58,9 @@ class ZeroStrategy(Strategy):
         ensure_deepspeed_comm(dist.get_backend())
         engine, ds_opt, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=self.config)
         self._engine, self._ds_opt, self._client_opt = engine, ds_opt, optimizer
+        if self.spec.compile:
+            engine.compile()  # DeepSpeed's own: torch.compile of the module under its hooks
+            self.compiled = ["the model, through DeepSpeed's engine.compile()"]
         return engine, ds_opt
 
     @property
