@@ -52,6 +52,26 @@ def bubble_fraction(stages: int, microbatches: int, schedule: str = "1f1b", virt
     return (p - 1) / (v * m + p - 1)
 
 
+def stage_indices(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
+    """The stages pipeline rank ``rank`` runs: itself with one per rank; with ``virtual`` per rank,
+    every pp-th stage (the interleaved loop), or ZB-V's V shape (rank and 2 pp - 1 - rank)."""
+    if virtual == 1:
+        return [rank]
+    if schedule == "zbv":
+        return [rank, 2 * pp - 1 - rank]
+    return [rank + v * pp for v in range(virtual)]
+
+
+def first_rank_hops(pp: int, virtual: int, schedule: str) -> int:
+    """Stage boundaries between two ranks that pipeline rank 0 sends or receives across: each
+    carries M activations one way and M gradients back. 1 with one stage per rank; for 2 ranks x 2
+    stages, 3 interleaved (0-1, 1-2, 2-3) and 2 for ZB-V (its 1-2 hop stays on rank 1)."""
+    where = {s: r for r in range(pp) for s in stage_indices(r, pp, virtual, schedule)}
+    mine = set(stage_indices(0, pp, virtual, schedule))
+    return sum(1 for s in range(pp * virtual - 1)
+               if where[s] != where[s + 1] and (s in mine or s + 1 in mine))
+
+
 def pipeline_schedule(spec: "StrategySpec") -> tuple[str, int]:
     """(schedule, stages per rank) of a pp line: --virtual-stages alone means interleaved-1f1b; a
     multi-stage schedule alone means 2 per rank; default 1f1b with one."""

@@ -113,3 +113,4 @@ def test_hybrid_sharding_shards_within_pairs_and_all_reduces_across_them(four):
         by_op[c.op] += c.size_bytes
     assert by_op["reduce_scatter"] == psi4 and by_op["all_reduce"] == psi4 // 2
     assert by_op["all_gather"] == 2 * psi4  # every unit gathered for forward, and again for backward
+    assert nbtool.predicted_vs_measured().row("bus bytes / step").within  # the planner knows hybrid sharding

@@ -59,7 +59,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..spec import bubble_fraction
+from ..spec import bubble_fraction, first_rank_hops
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
@@ -205,11 +205,15 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
 
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
-             reuse_limit: int = REUSE_LIMIT, compress: float = 1.0) -> Estimate:
+             reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
+             schedule: str = "1f1b", virtual: int = 1) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``compress``: DDP's gradient bytes after a
-    compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus)."""
+    compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus); ``shard``: fsdp's
+    shard group under hybrid sharding (--dp-shard; the rest replicate it), default every device;
+    ``whole``: elements fsdp keeps whole on every device (--replicate); ``schedule``, ``virtual``: the
+    pipeline schedule and its stages per rank (the bubble, and the sends of rank 0)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -249,12 +253,15 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             if h:
                 # activations forward and their gradients back, each sent by one stage and received by the
                 # next (the recorder counts both ends), in the activations' dtype
-                p2p = 2 * micro * s * b * h * (2 if mixed else 4)
-                e.comm_s += _collective_s(hw, 2, 2 * micro, p2p)
+                hops = first_rank_hops(pp, virtual, schedule)
+                p2p = 2 * micro * s * b * h * (2 if mixed else 4) * hops
+                e.comm_s += _collective_s(hw, 2, 2 * micro * hops, p2p)
                 e.comm_bus_bytes += p2p
-            e.bubble_s = e.compute_s * bubble_fraction(pp, micro)
-            e.notes.append(f"pipeline {pp}: bubble (p-1)/(m+p-1) = {bubble_fraction(pp, micro):.0%} "
-                           f"with m={micro} micro-batches (raise --grad-accum to shrink it)")
+            bubble = bubble_fraction(pp, micro, schedule, virtual)
+            e.bubble_s = e.compute_s * bubble
+            formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
+            e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} with m={micro} micro-batches "
+                           "(raise --grad-accum to shrink it)")
         exposed = e.comm_s
         dp_s = _collective_s(hw, n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.comm_bus_bytes += bus_dp
@@ -264,9 +271,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
     ledger_based = not layout.is_zero or not (mixed and adam)
+    shard = shard or n  # fsdp's shard group (hybrid sharding: smaller than n)
     if ledger_based:
-        led = expected_ledger(layout.strategy, t.precision, numels, n, optimizer="adam" if adam else "sgd",
-                              persistence_threshold=persistence_threshold)
+        led = expected_ledger(layout.strategy, t.precision, numels, shard if layout.is_fsdp else n,
+                              optimizer="adam" if adam else "sgd", persistence_threshold=persistence_threshold,
+                              whole=whole)
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
         if layout.is_zero and layout.offload:
@@ -278,13 +287,19 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     elif layout.is_fsdp:
         w = 2 if mixed else 4
         unit = largest if not m.layers else max(largest, 12 * (m.hidden or 0) ** 2)
+        sharded = psi - whole
+        within = (shard - 1) / shard if shard > 1 else 0.0
+        replicas = n // shard
+        # gathers and reduce-scatters within the shard group; under HSDP the gradient shards are then
+        # all-reduced across the replicas; modules kept whole all-reduce their gradients over every device
+        bus = 2 * (replicas - 1) / replicas * g * sharded / shard + 2 * frac * g * whole
         if not layout.reshard:
             e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
-            bus = frac * psi * (w + g)
+            bus += within * sharded * (w + g)
             collectives = 2 * (m.layers or 1)
         else:
             e.device["buffers"] = 2 * w * unit
-            bus = frac * psi * (2 * w + g)
+            bus += within * sharded * (2 * w + g)
             collectives = 3 * (m.layers or 1)
     else:  # DeepSpeed ZeRO
         stage = layout.stage

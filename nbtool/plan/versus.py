@@ -175,6 +175,20 @@ def compress_factor(run) -> float:
     return (vanilla + ratio * (steps - 1 - vanilla)) / (steps - 1) if steps > 1 else ratio
 
 
+def layout_options(run) -> dict:
+    """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate) and pipeline
+    schedule (--schedule, --virtual-stages)."""
+    from ..spec import hsdp_dims, pipeline_schedule
+
+    spec = spec_of(run)
+    schedule, virtual = pipeline_schedule(spec)
+    out = {"schedule": schedule, "virtual": virtual}
+    if run.strategy == "fsdp" and run.description.dims is None:
+        dims = hsdp_dims(spec, run.world_size)
+        out.update(shard=dims[1] if dims else None, whole=int(run.description.details.get("replicated_elements", 0)))
+    return out
+
+
 def _zero_config(run) -> dict:
     """The zero_optimization section of the DeepSpeed config the run used ({} for other strategies)."""
     return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
@@ -228,7 +242,8 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
         if pp > 1:  # the measured compute holds the bubble too; the planner adds it on top
             from ..spec import bubble_fraction
 
-            compute *= 1 - bubble_fraction(pp, training.grad_accum)
+            opts = layout_options(run)
+            compute *= 1 - bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved)")
     return replace(hw, name=", ".join(what) or "nothing measured")
@@ -246,7 +261,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                  reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
                  reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
                                      zero.get("stage3_max_live_parameters", REUSE_LIMIT))),
-                 compress=compress_factor(run))
+                 compress=compress_factor(run), **layout_options(run))
     summary = run_analysis.summary(run)
     rows, notes = [], []
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}

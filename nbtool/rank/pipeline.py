@@ -28,18 +28,9 @@ import time
 import torch
 from torch import nn
 
+from ..spec import stage_indices  # noqa: F401  (the schedules' placement, pure)
 from . import model_adapters
 from .strategies.base import StrategyError
-
-
-def stage_indices(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
-    """The stages pipeline rank ``rank`` runs: itself with one per rank; with ``virtual`` per rank,
-    every pp-th stage (the interleaved loop), or ZB-V's V shape (rank and 2 pp - 1 - rank)."""
-    if virtual == 1:
-        return [rank]
-    if schedule == "zbv":
-        return [rank, 2 * pp - 1 - rank]
-    return [rank + v * pp for v in range(virtual)]
 
 
 def split_stages(model: nn.Module, mine: list[int], stages: int, layout: str) -> tuple[list, list[str], list]:

@@ -79,7 +79,10 @@ class FSDPStrategy(Strategy):
         kind = self.device.type
         self.hsdp = hsdp_dims(self.spec, self.world_size)
         mesh = hsdp_mesh(kind, *self.hsdp) if self.hsdp else world_mesh(kind)
+        modules = dict(model.named_modules())
         self.units, self.replicated = shard_units(model, mesh, self.spec, world_mesh(kind))
+        self._replicated_elements = sum(p.numel() for name in self.replicated
+                                        for p in modules[name].parameters())
         self._plain = model
         repoint_optimizer(optimizer, model, groups)
         self.notes.append("optimizer param_groups re-pointed at the sharded (DTensor) parameters")
@@ -113,6 +116,7 @@ class FSDPStrategy(Strategy):
         d["units"] = list(getattr(self, "units", []))
         if getattr(self, "replicated", None):
             d["replicated"] = [f"{name} (whole on every rank, gradients all-reduced)" for name in self.replicated]
+            d["replicated_elements"] = self._replicated_elements
         if self.spec.precision == "bf16":
             d["mixed_precision"] = "MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); fp32 sharded weights"
         d["offload"] = "CPUOffloadPolicy (params, grads, optimizer state on host)" if self.spec.offload else None

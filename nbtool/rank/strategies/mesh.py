@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...metrics import PipelineStep
 from .base import Strategy, StrategyError, autocast_forward, param_names, repoint_optimizer
-from ...spec import ParallelDims, pipeline_schedule
+from ...spec import ParallelDims, pipeline_schedule, stage_indices
 from ..groups import layout_mesh
 
 
@@ -40,8 +40,6 @@ class MeshStrategy(Strategy):
         self.coords = {d: self.mesh.get_local_rank(d) for d in ("pp", "dp", "tp")}
         self.microbatches = spec.microbatches or 2 * self.pp
         self.schedule, self.virtual = pipeline_schedule(spec)
-        from ..pipeline import stage_indices
-
         self.stage_ids = stage_indices(self.coords["pp"], self.pp, self.virtual, self.schedule)
         self.stages_total = self.pp * self.virtual
         self.plan: dict = {}
@@ -74,8 +72,6 @@ class MeshStrategy(Strategy):
 
     def _last_stage_rank(self) -> int:
         """The global rank, in this rank's pipeline group, that runs the last stage."""
-        from ..pipeline import stage_indices
-
         holder = next(r for r in range(self.pp) if self.stages_total - 1 in
                       stage_indices(r, self.pp, self.virtual, self.schedule))
         return dist.get_global_rank(self.mesh["pp"].get_group(), holder)
