@@ -44,7 +44,7 @@ import time
 if rank == 0:
     time.sleep(120)
 dist.all_reduce(torch.ones(1))"""
-COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp").replace("step == 59", "step == 19")
+COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp --compile").replace("step == 59", "step == 19")
 COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
 PLAN = "%load_ext nbtool\n%dist_plan --model llama-2-7b --hardware a100-40gb"
 # the CUDA memory panel from recorded GPU figures (a CPU machine has none to measure)
@@ -152,6 +152,7 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     lab.wait_idle(180)
     assert len(lab.plots(8)) == 3  # each run's static copy, then the comparison's figure
     assert "fsdp" in lab.output_text(8) and "vs first" in lab.output_text(8)
+    assert "compile s" in lab.output_text(8)  # torch.compile's seconds, apart from the step times
 
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors

@@ -13,7 +13,7 @@ Schedules come from ``torch.distributed.pipelining`` (GPipe: all forwards,
 then all backwards; 1F1B: one forward one backward in the steady state,
 fewer activations alive). With equal stages both leave each stage idle for
 (pp - 1) / (M + pp - 1) of a step, the bubble. The interleaved and
-zero-bubble schedules run several stages per rank (``stage_indices``): the
+zero-bubble schedules run several stages per rank (spec.stage_indices): the
 model then keeps the union of the rank's parts, and each stage runs a view
 of it (``stage_view``); spec.bubble_fraction has each schedule's theory. ``StageClock`` measures how
 long the stage actually computes, so the bubble shown is measured, not
@@ -28,7 +28,6 @@ import time
 import torch
 from torch import nn
 
-from ..spec import stage_indices  # noqa: F401  (the schedules' placement, pure)
 from . import model_adapters
 from .strategies.base import StrategyError
 
