@@ -22,6 +22,7 @@ import ipyparallel as ipp
 
 from .devices import physical_visible_devices, visible_gpu_count
 from .options import ClusterOptions, Layout, resolve_layout
+from . import launchers
 from .rank import bootstrap
 
 Progress = Callable[[str], None]
@@ -87,6 +88,9 @@ class RankCluster:
         self.collective_timeout: float = options.collective_timeout  # what the engines use now
         self._store_dir: str | None = None
         self.last_hang = None  # the watchdog's last HangReport (nbtool.faults)
+        self.places: list = []  # launchers.Place per rank: host, node rank, local rank
+        self.ifname: str | None = None  # the interface the hosts share (None: loopback, one machine)
+        self.slurm_job: str | None = None  # the engines' Slurm job id under --engines slurm
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
@@ -109,36 +113,50 @@ class RankCluster:
         self.collective_timeout = self.options.collective_timeout
         # the ranks' rendezvous file lives here, readable by this user only (mkdtemp: 0700)
         self._store_dir = tempfile.mkdtemp(prefix="nbtool-")
-        progress(f"starting {n} engine(s) ...")
+        self.ifname, ip = launchers.network(self.options)
+        self.slurm_job = None
+        progress(f"starting {n} engine(s) ({launchers.describe(self.options)}) ...")
         self._cluster = ipp.Cluster(
             n=n,
-            controller_ip="127.0.0.1",
             # engines wait for the controller's connection info themselves
             delay=0,
             engine_timeout=int(timeout),
             log=_log,
             shutdown_atexit=True,
+            **launchers.cluster_kwargs(self.options, ip),
         )
-        env = {"OMP_NUM_THREADS": str(threads_per_rank(n))}
-        if not self.layout.gpus:
+        env = {"OMP_NUM_THREADS": str(threads_per_rank(n if not self.options.multi_host else
+                                                           launchers.most_per_host(self.options)))}
+        if self.layout.device_kind == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
         self._cluster.start_controller_sync()
         self._cluster.start_engines_sync(n, environment=env)
         self.client = self._cluster.connect_client_sync()
         waiting = self.client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
         seen = -1
+        job = launchers.SlurmJob.of(self._cluster)
         while not waiting.done():
             now = len(self.client.ids)
-            if now != seen:
+            queued = job.pending() if job is not None else None
+            if queued:
+                progress(f"slurm job {job.id} {queued} ...")
+            elif now != seen:
                 progress(f"engines connected: {now}/{n}")
                 seen = now
+            if job is not None and job.gone():
+                raise ClusterError(f"slurm job {job.id} ended before its engines connected: {job.reason()}")
+            ended = launchers.launch_failure(self._cluster)
+            if ended and len(self.client.ids) < n:
+                raise ClusterError(f"the {launchers.describe(self.options)} engine launcher exited with "
+                                   f"{now} of {n} engines connected; its output ends:\n{ended}")
             if time.perf_counter() > deadline:
-                raise ClusterError(
-                    f"only {len(self.client.ids)} of {n} engines connected within --timeout {timeout:g}s"
-                )
-            time.sleep(0.05)
+                missing = f"slurm job {job.id} still {queued}" if queued else f"{n - now} engine(s) never connected"
+                raise ClusterError(f"only {now} of {n} engines connected within --timeout {timeout:g}s; "
+                                   f"{missing}")
+            time.sleep(0.05 if job is None else 0.5)
         waiting.result()
-        self.engine_ids = sorted(self.client.ids)[:n]
+        self.slurm_job = job.id if job is not None else None
+        self.engine_ids, self.places = self._place_ranks(sorted(self.client.ids)[:n])
         progress(f"engines connected: {n}/{n}; initialising process group ({self.layout.backend}) ...")
         self._init_process_group(deadline)
         self.started_s = time.perf_counter() - t0
@@ -148,29 +166,50 @@ class RankCluster:
             f"({self.started_s:.1f} s)"
         )
 
+    def _place_ranks(self, engine_ids: list[int]) -> tuple[list[int], list[launchers.Place]]:
+        """Engines in rank order (by host, then the launcher's own order) and where each runs."""
+        facts = {eid: self.client[eid].apply_async(bootstrap.host_facts, self.ifname) for eid in engine_ids}
+        got = {}
+        for eid, ar in facts.items():
+            try:
+                got[eid] = ar.get(timeout=max(5.0, self.options.timeout / 4))
+            except Exception as e:
+                raise ClusterError(f"engine {eid} did not say where it runs: {e}") from None
+        return launchers.place(got, self.options, self.ifname)
+
     def _init_process_group(self, deadline: float) -> None:
         n = self.layout.n
-        port = free_port()
+        places = self.places
+        multi = self.options.multi_host
+        master = places[0].address if multi else "127.0.0.1"
+        # a TCP store listens on rank 0's machine: a port free there
+        port = free_port() if not multi else self.client[self.engine_ids[0]].apply_sync(bootstrap.free_port, master)
         devices = physical_visible_devices(list(self.layout.gpus)) if self.layout.gpus else None
         controller_pid = getattr(getattr(self._cluster.controller, "process", None), "pid", None)
         # removed by the engines if the kernel dies without stopping the cluster
         cleanup = (self._store_dir, getattr(self._cluster, "cluster_file", None))
+        store = launchers.store_path(self.options, self._store_dir, places)
+        if self.options.rendezvous and store:
+            self._check_shared(os.path.dirname(store), "--rendezvous")
+        mine = launchers.boot_id()
         pending = [
             self.client[eid].apply_async(
                 bootstrap.init_rank,
                 rank=rank,
                 world_size=n,
-                master_addr="127.0.0.1",
+                master_addr=master,
                 master_port=port,
                 backend=self.layout.backend,
                 visible_devices=devices,
-                num_threads=threads_per_rank(n),
+                num_threads=threads_per_rank(places[rank].local_world_size if multi else n),
                 timeout_s=self.options.timeout,
-                kernel_pid=os.getpid(),
+                # only engines on this machine can watch the kernel's and controller's processes
+                kernel_pid=os.getpid() if places[rank].boot_id == mine else None,
                 controller_pid=controller_pid,
-                store_path=os.path.join(self._store_dir, "rendezvous"),
+                store_path=store,
                 collective_timeout_s=self.collective_timeout,
-                cleanup_paths=tuple(p for p in cleanup if p),
+                cleanup_paths=tuple(p for p in cleanup if p) if places[rank].boot_id == mine else (),
+                **(places[rank].rank_kwargs(self.ifname) if multi else {}),
             )
             for rank, eid in enumerate(self.engine_ids)
         ]
@@ -186,6 +225,21 @@ class RankCluster:
                 ) from None
             except ipp.error.RemoteError as e:
                 raise ClusterError(f"rank {rank} failed to initialise: {e.ename}: {e.evalue}") from None
+
+    def _check_shared(self, directory: str, what: str) -> None:
+        """Refuse a directory some rank's host does not see: the kernel writes a file, every rank looks."""
+        marker = os.path.join(directory, f".nbtool-shared-{os.getpid()}-{time.monotonic_ns()}")
+        with open(marker, "w"):
+            pass
+        try:
+            seen = self.view(list(range(self.layout.n))).apply_async(os.path.exists, marker).get(timeout=30)
+        finally:
+            os.unlink(marker)
+        blind = [r for r, ok in enumerate(seen) if not ok]
+        if blind:
+            raise ClusterError(f"{what} {directory}: not shared with every host; "
+                               f"{launchers.hosts_text(self.places, blind)} do not see it. "
+                               "Name a directory on a filesystem every host mounts")
 
     def restart(self, progress: Progress = lambda m: None) -> None:
         """Fresh engines and process group with the same options, in this object."""

@@ -14,9 +14,13 @@ from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
 from .options import (
     BACKENDS,
+    LAUNCHERS,
     ClusterOptions,
+    check_launch,
     format_ranks,
+    parse_hosts,
     parse_int_list,
+    parse_rendezvous,
     parse_ranks,
     positive_int,
     positive_number,
@@ -145,32 +149,60 @@ class NbtoolMagics(Magics):
               help="seconds allowed for engines to start and join the process group (default 120)")
     @argument("--collective-timeout", type=positive_seconds, default=None, metavar="SECONDS",
               help="default for the hang watchdog: report a collective still running after SECONDS (60)")
+    @argument("--engines", default=None, metavar="|".join(LAUNCHERS),
+              help="ipyparallel's engine launcher: local (default), ssh (with --hosts), slurm, mpi")
+    @argument("--hosts", default=None, metavar="HOST:N[,HOST:N]", help="ssh: N engines on each HOST")
+    @argument("--profile", default=None, metavar="NAME",
+              help="an ipyparallel profile: its launcher and controller settings, as they are")
+    @argument("--interface", default=None, metavar="NAME",
+              help="the network interface the hosts share, for the controller, rendezvous and collectives "
+                   "(default: the one that reaches the first ssh host, or this host name's)")
+    @argument("--ip", default=None, help="the controller's address (e.g. 0.0.0.0 on purpose: every interface)")
+    @argument("--rendezvous", default=None, metavar="file:DIR|tcp",
+              help="how the ranks meet across hosts: a FileStore in a directory every host sees, or a TCP "
+                   "store on rank 0 (default across hosts)")
+    @argument("--slurm-args", default=None, metavar="ARGS", help='sbatch options, e.g. "--partition=gpu --time=02:00:00"')
+    @argument("--ssh-args", default=None, metavar="ARGS", help='ssh/scp options, e.g. "-F ./ssh_config"')
     @line_magic
     def cluster(self, line=""):
         """Start, inspect, stop or restart the cluster of ranks.
 
         ``%cluster start [-n N] [--backend auto|gloo|nccl] [--gpus 0,1] [--timeout S]``
         starts N ipyparallel engines that are torch.distributed ranks 0..N-1
-        (one GPU each with nccl, or CPU ranks on gloo).
+        (one GPU each with nccl, or CPU ranks on gloo). On other machines:
+        ``--engines ssh --hosts node1:2,node2:2``, ``--engines slurm
+        [--slurm-args "..."]``, ``--engines mpi`` or ``--profile NAME``, with
+        ``--interface NAME`` and ``--rendezvous file:DIR|tcp`` (README, "More
+        than one machine"). Ranks are ordered by host; RANK, LOCAL_RANK,
+        NODE_RANK ... are set on every engine.
         ``%cluster status`` shows a row per rank, ``%cluster stop`` ends it,
         ``%cluster restart`` brings up fresh engines with the same options.
         """
         from . import actions
 
         args = parse_argstring(self.cluster, line)
+        launch = ("engines", "hosts", "profile", "interface", "ip", "rendezvous", "slurm_args", "ssh_args")
         start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
                                          ("--gpus", args.gpus), ("--timeout", args.timeout),
-                                         ("--collective-timeout", args.collective_timeout)) if v is not None}
+                                         ("--collective-timeout", args.collective_timeout),
+                                         *(("--" + k.replace("_", "-"), getattr(args, k)) for k in launch))
+                      if v is not None}
         if args.action != "start" and start_opts:
             raise UsageError(f"{', '.join(start_opts)} only apply to %cluster start, not {args.action}")
         if args.action == "start":
+            hosts = parse_hosts(args.hosts, args.n) if args.hosts else None
             opts = ClusterOptions(
-                n=args.n or 2,
+                n=args.n or (sum(k for _, k in hosts) if hosts else 2),
                 backend=args.backend or "auto",
                 gpus=tuple(parse_int_list(args.gpus, "--gpus")) if args.gpus else None,
                 timeout=args.timeout or 120.0,
                 collective_timeout=args.collective_timeout or 60.0,
+                engines=args.engines or ("ssh" if hosts else "local"),
+                hosts=hosts, profile=args.profile, interface=args.interface, ip=args.ip,
+                rendezvous=parse_rendezvous(args.rendezvous) if args.rendezvous else None,
+                slurm_args=args.slurm_args or "", ssh_args=args.ssh_args or "",
             )
+            check_launch(opts)
             if self.rank_cluster is not None and self.rank_cluster.running:
                 raise UsageError(
                     f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "

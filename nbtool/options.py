@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from IPython.core.error import UsageError
 
 BACKENDS = ("auto", "gloo", "nccl")
+# ipyparallel's engine launchers nbtool starts (Cluster(engines=...)); "local": this machine
+LAUNCHERS = ("local", "ssh", "slurm", "mpi")
 
 
 def _argtype(name: str, convert, check, allowed: str):
@@ -100,6 +102,99 @@ class ClusterOptions:
     timeout: float = 120.0
     # the hang watchdog reports a collective still running after this many seconds
     collective_timeout: float = 60.0
+    engines: str = "local"  # LAUNCHERS
+    hosts: tuple[tuple[str, int], ...] | None = None  # --hosts node1:2,node2:2 (ssh)
+    profile: str | None = None  # an ipyparallel profile whose launcher and controller settings are used
+    interface: str | None = None  # the network interface for the controller, rendezvous and collectives
+    ip: str | None = None  # the controller's address, when the user sets it (e.g. 0.0.0.0 on purpose)
+    rendezvous: str | None = None  # "file:DIR" or "tcp" (None: owner-only file on one host, else tcp)
+    slurm_args: str = ""  # extra sbatch options, e.g. "--partition=gpu --gpus-per-node=4"
+    ssh_args: str = ""  # extra ssh/scp options, e.g. "-F ./ssh_config"
+
+    @property
+    def multi_host(self) -> bool:
+        """Engines may run on other machines (the launcher is not this machine's processes)."""
+        return self.engines != "local" or self.profile is not None
+
+
+def parse_hosts(text: str, n: int | None) -> tuple[tuple[str, int], ...]:
+    """``--hosts node1:2,node2:2`` (host:engines; ``user@host`` allowed; ``host`` alone is 1 engine)."""
+    out = []
+    for item in text.split(","):
+        host, _, count = item.strip().rpartition(":") if ":" in item else (item.strip(), "", "1")
+        if not host or not count.isdigit() or int(count) < 1 or " " in host:
+            raise UsageError(f"--hosts {text!r}: {item.strip()!r} is not HOST:N (N engines on HOST, N >= 1); "
+                             "e.g. --hosts node1:2,node2:2")
+        out.append((host, int(count)))
+    total = sum(c for _, c in out)
+    if n is not None and total != n:
+        raise UsageError(f"--hosts {text!r} starts {total} engine(s) but -n is {n}; make them agree "
+                         f"(or leave -n out: it is then {total})")
+    return tuple(out)
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this machine, or a UsageError listing them."""
+    import socket
+
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    ipv4 = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
+    if not ipv4:
+        have = ", ".join(f"{k} ({a})" for k, v in sorted(addrs.items())
+                         for a in [next((x.address for x in v if x.family == socket.AF_INET), None)] if a)
+        what = "has no IPv4 address" if name in addrs else "does not exist"
+        raise UsageError(f"--interface {name!r} {what} on this machine; interfaces with an address: {have}")
+    return ipv4[0]
+
+
+def interface_of(address: str) -> str | None:
+    """The local interface holding ``address``, or None."""
+    import socket
+
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
+            return name
+    return None
+
+
+def parse_rendezvous(text: str) -> str:
+    """``file:DIR`` (a directory every host sees, writable here) or ``tcp``; the checked value."""
+    import os
+
+    if text == "tcp":
+        return text
+    kind, _, path = text.partition(":")
+    if kind != "file" or not path:
+        raise UsageError(f"--rendezvous {text!r}; allowed: file:DIR (a directory every host sees) or tcp "
+                         "(a TCP store on rank 0)")
+    path = os.path.abspath(os.path.expanduser(path))
+    if not os.path.isdir(path):
+        raise UsageError(f"--rendezvous {text!r}: {path} is not a directory")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"--rendezvous {text!r}: {path} is not writable by this user")
+    return f"file:{path}"
+
+
+def check_launch(opts: ClusterOptions) -> None:
+    """The launcher options that need no engine: which launcher, its hosts, the interface."""
+    if opts.engines not in LAUNCHERS:
+        raise UsageError(f"--engines {opts.engines!r} is not a launcher nbtool starts; choose one of "
+                         f"{', '.join(LAUNCHERS)} (or --profile NAME for an ipyparallel profile's own)")
+    if opts.hosts is not None and opts.engines != "ssh":
+        raise UsageError(f"--hosts applies to --engines ssh (this line has --engines {opts.engines})")
+    if opts.engines == "ssh" and not opts.hosts:
+        raise UsageError("--engines ssh needs --hosts HOST:N[,HOST:N], e.g. --hosts node1:2,node2:2")
+    if opts.slurm_args and opts.engines != "slurm":
+        raise UsageError(f"--slurm-args applies to --engines slurm (this line has --engines {opts.engines})")
+    if opts.gpus is not None and opts.multi_host:
+        raise UsageError("--gpus picks GPUs of this machine; with other launchers each host's rank i uses its "
+                         "GPU i (LOCAL_RANK): drop --gpus, and use --backend nccl")
+    if opts.interface is not None:
+        interface_address(opts.interface)
 
 
 @dataclass(frozen=True)
@@ -112,7 +207,7 @@ class Layout:
 
     @property
     def device_kind(self) -> str:
-        return "cuda" if self.gpus else "cpu"
+        return "cuda" if self.gpus or self.backend == "nccl" else "cpu"
 
 
 def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
@@ -126,6 +221,9 @@ def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
         raise UsageError(f"-n {n}: a cluster needs at least 1 rank")
     if opts.backend not in BACKENDS:
         raise UsageError(f"--backend {opts.backend!r} is not known; choose one of {', '.join(BACKENDS)}")
+    check_launch(opts)
+    if opts.multi_host:  # the GPUs are the hosts': each host's rank i uses its GPU i
+        return Layout(n, "nccl" if opts.backend == "nccl" else "gloo", None)
     if opts.gpus is not None:
         gpus = tuple(opts.gpus)
         missing = [g for g in gpus if g >= gpu_count]

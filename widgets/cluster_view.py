@@ -9,7 +9,7 @@ from IPython.display import display, update_display
 
 from nbtool.metrics import format_bytes
 
-COLUMNS = ("rank", "engine", "pid", "host", "device", "backend", "rss", "state")
+COLUMNS = ("rank", "engine", "pid", "host", "node", "local rank", "device", "backend", "rss", "state")
 
 
 def _mib(n) -> str:
@@ -34,6 +34,8 @@ class StatusTable:
                 str(r.get("engine_id", "-")),
                 str(r.get("pid", "-")),
                 str(r.get("host", "-")),
+                str(r.get("node_rank", "-")),
+                str(r.get("local_rank", "-")),
                 str(r.get("device", "-")),
                 str(r.get("backend") or "-"),
                 _mib(r.get("rss_bytes")),

@@ -17,8 +17,15 @@ def stop(cluster: RankCluster) -> None:
 def status(cluster: RankCluster):
     from ..widgets import StatusTable
 
+    from ..launchers import describe, hosts_text
+
     layout = cluster.layout
-    header = (
+    where = ""
+    if cluster.options.multi_host:
+        job = f", job {cluster.slurm_job}" if cluster.slurm_job else ""
+        where = (f"launcher {describe(cluster.options)}{job}; interface {cluster.ifname}; "
+                 f"{hosts_text(cluster.places)}\n")
+    header = where + (
         f"{layout.n} rank(s), backend {layout.backend}, "
         f"{'GPUs ' + ','.join(map(str, layout.gpus)) if layout.gpus else 'CPU'}; "
         f"collective timeout {cluster.collective_timeout:g}s; "

@@ -26,6 +26,10 @@ def init_rank(
     store_path: str | None = None,
     collective_timeout_s: float | None = None,
     cleanup_paths: tuple = (),
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+    node_rank: int = 0,
+    ifname: str | None = None,
 ) -> dict:
     """Make this engine rank ``rank`` of a ``world_size`` process group.
 
@@ -37,34 +41,47 @@ def init_rank(
 
     With ``store_path`` the ranks meet through a FileStore in that (owner-only)
     directory instead of a TCPStore, which would listen on every interface.
+
+    On a cluster of hosts (``local_rank`` given) rank is global, ``local_rank``
+    its index on its host (also NODE_RANK's GPU: cuda:local_rank of what the
+    launcher left visible; ``visible_devices`` is then None and
+    CUDA_VISIBLE_DEVICES is kept), and ``ifname`` the interface gloo and nccl
+    use (GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME).
     The hang watchdog (``watchdog.install``) and faulthandler (a segfault's
     Python stack goes to the engine's log) are set up here too.
     """
+    hosts = local_rank is not None
+    local = rank if not hosts else local_rank
     env = {
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(local),
+        "LOCAL_WORLD_SIZE": str(world_size if not hosts else local_world_size),
+        "NODE_RANK": str(node_rank),
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": str(master_port),
     }
+    if ifname:
+        env["GLOO_SOCKET_IFNAME"] = env["NCCL_SOCKET_IFNAME"] = ifname
     # OMP_NUM_THREADS and DS_ACCELERATOR are in the engine's environment from its launch
     # (RankCluster.start): they must be there before torch or deepspeed is first imported
-    env["CUDA_VISIBLE_DEVICES"] = visible_devices or ""
+    if not hosts:
+        env["CUDA_VISIBLE_DEVICES"] = visible_devices or ""
     os.environ.update(env)
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(num_threads)
-    if visible_devices:
-        if torch.cuda.device_count() < world_size:
+    if visible_devices or (hosts and backend == "nccl"):
+        need = world_size if not hosts else local_world_size
+        if torch.cuda.device_count() < need:
             raise RuntimeError(
-                f"rank {rank}: needs {world_size} GPUs but torch sees "
-                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={visible_devices})"
+                f"rank {rank}: needs {need} GPUs on {socket.gethostname()} but torch sees "
+                f"{torch.cuda.device_count()} (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')})"
             )
-        torch.cuda.set_device(rank)
-        device = torch.device("cuda", rank)
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
 
@@ -171,6 +188,33 @@ def rank_device():
     return torch.device("cpu")
 
 
+def free_port(address: str) -> int:
+    """A TCP port free on this machine at ``address`` (for rank 0's TCP store)."""
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
+
+
+def host_facts(ifname: str | None) -> dict:
+    """Where this engine runs, before it is a rank: host name, its address on ``ifname``, the machine's
+    boot id (equal boot ids: one machine, whatever the network namespace), and the launcher's own
+    rank of this process (Slurm's, MPI's) when it has one."""
+    import psutil
+
+    addrs = psutil.net_if_addrs()
+    address = next((a.address for a in addrs.get(ifname or "", []) if a.family == socket.AF_INET), None)
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+    except OSError:
+        boot = None
+    launcher_rank = next((int(os.environ[k]) for k in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
+                                                        "PMIX_RANK") if os.environ.get(k, "").isdigit()), None)
+    return {"hostname": socket.gethostname(), "address": address, "boot_id": boot, "pid": os.getpid(),
+            "launcher_rank": launcher_rank, "slurm_job": os.environ.get("SLURM_JOB_ID"),
+            "interfaces": sorted(addrs)}
+
+
 def rank_info() -> dict:
     """Facts about this rank for ``%cluster status``."""
     import psutil
@@ -189,6 +233,8 @@ def rank_info() -> dict:
         "world_size": dist.get_world_size() if initialized else None,
         "pid": os.getpid(),
         "host": socket.gethostname(),
+        "node_rank": int(os.environ.get("NODE_RANK", 0)),
+        "local_rank": int(os.environ.get("LOCAL_RANK", 0)),
         "device": device,
         "backend": dist.get_backend() if initialized else None,
         "rss_bytes": mem.rss,
