@@ -21,7 +21,7 @@ from typing import Callable
 import ipyparallel as ipp
 
 from .devices import physical_visible_devices, visible_gpu_count
-from .options import ClusterOptions, Layout, resolve_layout
+from .options import ClusterOptions, Layout, label_ranks, resolve_layout
 from . import launchers
 from .rank import bootstrap
 
@@ -264,10 +264,13 @@ class RankCluster:
             except Exception:
                 pass
         if cluster is not None:
-            try:
-                cluster.stop_cluster_sync()
-            except Exception:
-                pass
+            # engines and controller apart: a launcher that fails to stop (an ssh host gone) must not
+            # leave the controller running
+            for stop in (cluster.stop_engines_sync, cluster.stop_controller_sync):
+                try:
+                    stop()
+                except Exception:
+                    pass
             # stop_cluster signals the processes; wait so none outlives the call
             for launcher in [cluster.controller, *cluster.engines.values()]:
                 _wait_launcher(launcher)
@@ -299,6 +302,20 @@ class RankCluster:
         alive = set(self.client.ids) if self.client is not None else set()
         return [r for r, eid in enumerate(self.engine_ids) if eid not in alive]
 
+    def where(self, rank: int) -> str:
+        """`` on HOST (ADDRESS)`` for a rank of a cluster of machines, else ''."""
+        if not self.options.multi_host or rank >= len(self.places):
+            return ""
+        return f" on {self.places[rank].label}"
+
+    def lost_text(self) -> str:
+        """The lost ranks, by host on a cluster of machines (``vm (10.0.0.2): rank 1``)."""
+        lost = self.lost_ranks()
+        if not self.options.multi_host or not self.places:
+            return label_ranks(lost)
+        job = launchers.SlurmJob(self.slurm_job) if self.slurm_job else None
+        return launchers.hosts_text(self.places, lost) + (f" (slurm job {job.id} {job.state()})" if job else "")
+
     def exit_reason(self, rank: int) -> str:
         """How rank's engine process ended, as far as can be known.
 
@@ -307,6 +324,10 @@ class RankCluster:
         the engine's log then tells a native crash (faulthandler's report)
         from a process that vanished without one (a signal such as SIGKILL).
         """
+        if self.options.multi_host and rank < len(self.places) and self.places[rank].boot_id != launchers.boot_id():
+            job = f"; slurm job {self.slurm_job} {launchers.SlurmJob(self.slurm_job).state()}" if self.slurm_job else ""
+            return (f"its engine stopped answering the controller (killed, or its host or the network to it "
+                    f"lost){job}")
         code = (getattr(self._launcher(rank), "stop_data", None) or {}).get("exit_code")
         if code is not None and code < 0:
             try:

@@ -189,8 +189,7 @@ def run_cell(
         notes = [released.note() if released else ""]
         if any(getattr(e, "ename", "") == "RankDied" for _, e in errors) and not (released and released.restarted):
             cluster.group_closed = cluster.group_closed or GroupClosed(GroupClosed.RANK_DIED, "a rank died")
-            notes.append(f"{label_ranks(cluster.lost_ranks())} gone; %cluster restart brings back "
-                         f"{cluster.world_size} rank(s)")
+            notes.append(f"{cluster.lost_text()} gone; %cluster restart brings back {cluster.world_size} rank(s)")
         raise RankError(errors, notes)
     if released is not None and released.restarted:
         raise RankError([(late, faults.RankFailure("RanksRestarted", released.note()))])

@@ -54,7 +54,7 @@ def last_lines(text, n: int = 3) -> str:
 
 def death_record(cluster, rank: int, output: str) -> RankFailure:
     log = cluster.log_file(rank)
-    value = (f"rank {rank} died during the cell: {cluster.exit_reason(rank)}; its last output: "
+    value = (f"rank {rank}{cluster.where(rank)} died during the cell: {cluster.exit_reason(rank)}; its last output: "
              f"{last_lines(output)}")
     tb = f"engine log (native errors, faulthandler stacks): {log}" if log else ""
     return RankFailure("RankDied", value, tb)

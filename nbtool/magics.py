@@ -44,6 +44,11 @@ def parse_argstring(magic, line: str):
         raise UsageError(f"cannot split {line!r}: {e}; close the quote or escape it") from None
 
 
+def _unquoted(text: str) -> str:
+    """A quoted option value as written inside the quotes (IPython's line splitting keeps them)."""
+    return text[1:-1] if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"" else text
+
+
 def _cell_options(f):
     """Options shared by %%distributed and %%rank."""
     for a in reversed((
@@ -200,7 +205,7 @@ class NbtoolMagics(Magics):
                 engines=args.engines or ("ssh" if hosts else "local"),
                 hosts=hosts, profile=args.profile, interface=args.interface, ip=args.ip,
                 rendezvous=parse_rendezvous(args.rendezvous) if args.rendezvous else None,
-                slurm_args=args.slurm_args or "", ssh_args=args.ssh_args or "",
+                slurm_args=_unquoted(args.slurm_args or ""), ssh_args=_unquoted(args.ssh_args or ""),
             )
             check_launch(opts)
             if self.rank_cluster is not None and self.rank_cluster.running:
