@@ -91,6 +91,7 @@ class RankCluster:
         self.places: list = []  # launchers.Place per rank: host, node rank, local rank
         self.ifname: str | None = None  # the interface the hosts share (None: loopback, one machine)
         self.slurm_job: str | None = None  # the engines' Slurm job id under --engines slurm
+        self._job = None  # its launchers.SlurmJob
 
     # -- lifecycle -------------------------------------------------------
     @classmethod
@@ -130,11 +131,18 @@ class RankCluster:
         if self.layout.device_kind == "cpu":
             env["DS_ACCELERATOR"] = "cpu"
         self._cluster.start_controller_sync()
-        self._cluster.start_engines_sync(n, environment=env)
+        try:
+            self._cluster.start_engines_sync(n, environment=env)
+        except Exception as e:  # sbatch refusing the job, ssh unable to reach a host ...
+            said = (getattr(e, "stderr", None) or getattr(e, "output", None) or b"")
+            said = said.decode(errors="replace") if isinstance(said, bytes) else str(said)
+            said = launchers.submit_error(self.options) or said
+            raise ClusterError(f"the {launchers.describe(self.options)} launcher could not start the engines: "
+                               f"{(said.strip() or str(e)).splitlines()[-1]}") from None
         self.client = self._cluster.connect_client_sync()
         waiting = self.client.wait_for_engines(n, block=False, timeout=timeout, interactive=False)
         seen = -1
-        job = launchers.SlurmJob.of(self._cluster)
+        job = self._job = launchers.SlurmJob.of(self._cluster)
         while not waiting.done():
             now = len(self.client.ids)
             queued = job.pending() if job is not None else None
@@ -145,6 +153,10 @@ class RankCluster:
                 seen = now
             if job is not None and job.gone():
                 raise ClusterError(f"slurm job {job.id} ended before its engines connected: {job.reason()}")
+            never = job.never() if queued else None
+            if never:
+                raise ClusterError(f"slurm job {job.id} cannot start: pending ({never}), a request this "
+                                   "partition never grants; it was cancelled")
             ended = launchers.launch_failure(self._cluster)
             if ended and len(self.client.ids) < n:
                 raise ClusterError(f"the {launchers.describe(self.options)} engine launcher exited with "
@@ -271,6 +283,9 @@ class RankCluster:
                     stop()
                 except Exception:
                     pass
+            job, self._job = getattr(self, "_job", None), None
+            if job is not None:  # scancel'd by the launcher: return once Slurm has let go of it
+                job.wait_gone()
             # stop_cluster signals the processes; wait so none outlives the call
             for launcher in [cluster.controller, *cluster.engines.values()]:
                 _wait_launcher(launcher)
@@ -317,6 +332,13 @@ class RankCluster:
         return launchers.hosts_text(self.places, lost) + (f" (slurm job {job.id} {job.state()})" if job else "")
 
     def exit_reason(self, rank: int) -> str:
+        """How rank's engine ended (see _exit_reason), and its Slurm job's state under --engines slurm."""
+        reason = self._exit_reason(rank)
+        if self.slurm_job:
+            reason += f"; slurm job {self.slurm_job} {launchers.SlurmJob(self.slurm_job).reason()}"
+        return reason
+
+    def _exit_reason(self, rank: int) -> str:
         """How rank's engine process ended, as far as can be known.
 
         ipyparallel's launcher reaps the process on a thread and reports the
@@ -325,9 +347,7 @@ class RankCluster:
         from a process that vanished without one (a signal such as SIGKILL).
         """
         if self.options.multi_host and rank < len(self.places) and self.places[rank].boot_id != launchers.boot_id():
-            job = f"; slurm job {self.slurm_job} {launchers.SlurmJob(self.slurm_job).state()}" if self.slurm_job else ""
-            return (f"its engine stopped answering the controller (killed, or its host or the network to it "
-                    f"lost){job}")
+            return "its engine stopped answering the controller (killed, or its host or the network to it lost)"
         code = (getattr(self._launcher(rank), "stop_data", None) or {}).get("exit_code")
         if code is not None and code < 0:
             try:

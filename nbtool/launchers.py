@@ -95,7 +95,25 @@ def cluster_kwargs(opts: ClusterOptions, ip: str) -> dict:
         cfg.MPIEngineSetLauncher.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
         if os.geteuid() == 0:  # Open MPI refuses root unless told twice
             cfg.MPIEngineSetLauncher.mpi_args = ["--allow-run-as-root", "--oversubscribe"]
-    return {"engines": opts.engines, "controller_ip": ip, "config": cfg, "load_profile": False}
+    # a host lost takes its engines' nannies with it, so only the controller's heartbeat can tell:
+    # 1 s pings, 5 missed (ipyparallel's default is 3 s x 10: half a minute)
+    beat = ["--HeartMonitor.period=1000", "--HeartMonitor.max_heartmonitor_misses=5"] if opts.multi_host else []
+    return {"engines": opts.engines, "controller_ip": ip, "config": cfg, "load_profile": False,
+            "controller_args": beat}
+
+
+def submit_error(opts: ClusterOptions) -> str | None:
+    """sbatch's own words for a refused submission (ipyparallel lets its stderr go to the terminal):
+    the same options checked again with ``sbatch --test-only``, which submits nothing."""
+    if opts.engines != "slurm":
+        return None
+    try:
+        r = subprocess.run(["sbatch", "--test-only", *shlex.split(opts.slurm_args), "--wrap", "true"],
+                           capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = [x for x in r.stderr.splitlines() if "error" in x.lower()]
+    return lines[-1] if r.returncode and lines else None
 
 
 def launch_failure(cluster) -> str | None:
@@ -208,7 +226,9 @@ def hosts_text(places: list[Place], ranks=None) -> str:
 
 
 class SlurmJob:
-    """The engines' Slurm job: its id, state and reason (squeue / sacct), for progress and faults."""
+    """The engines' Slurm job: its id, state and reason (scontrol, squeue), for progress, faults and stop."""
+
+    ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
 
     def __init__(self, job_id: str):
         self.id = job_id
@@ -221,38 +241,65 @@ class SlurmJob:
                 return cls(str(job))
         return None
 
-    def _squeue(self) -> tuple[str, str] | None:
+    def _info(self) -> dict | None:
+        """JobState and Reason from ``scontrol show job`` (None once Slurm has forgotten the job)."""
         try:
-            out = subprocess.run(["squeue", "-h", "-j", self.id, "-o", "%T|%r"], capture_output=True,
-                                 text=True, timeout=10).stdout.strip()
+            out = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True,
+                                 timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
             return None
-        if not out:
-            return None
-        state, _, reason = out.partition("|")
-        return state, reason
+        fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
+        return fields if "JobState" in fields else None
+
+    # pending reasons that no wait cures: the request exceeds what the partition or the site allows
+    NEVER = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+             "InvalidQOS", "QOSMaxNodePerJobLimit", "AssocMaxNodesPerJob", "ReqNodeNotAvail")
+
+    def never(self) -> str | None:
+        """The reason when the job is pending for good (see NEVER), else None."""
+        info = self._info()
+        if info and info["JobState"] == "PENDING" and info.get("Reason", "").startswith(self.NEVER):
+            return info["Reason"]
+        return None
 
     def pending(self) -> str | None:
         """``pending (Resources)`` while queued, else None."""
-        got = self._squeue()
-        if got and got[0] == "PENDING":
-            return f"pending ({got[1]})"
+        info = self._info()
+        if info and info["JobState"] == "PENDING":
+            reason = info.get("Reason", "None")
+            return "pending" + (f" ({reason})" if reason != "None" else "")
         return None
 
     def state(self) -> str:
-        got = self._squeue()
-        if got:
-            return got[0]
-        try:
-            out = subprocess.run(["sacct", "-n", "-X", "-j", self.id, "-o", "State"], capture_output=True,
-                                 text=True, timeout=10).stdout.split()
-        except (OSError, subprocess.TimeoutExpired):
-            out = []
-        return out[0] if out else "ended"
+        info = self._info()
+        return info["JobState"] if info else "ended"
 
     def gone(self) -> bool:
-        return self._squeue() is None
+        """The job ended (cancelled, failed, preempted ...) or Slurm forgot it."""
+        info = self._info()
+        return info is None or info["JobState"] not in self.ACTIVE
 
     def reason(self) -> str:
-        got = self._squeue()
-        return f"{got[0]} ({got[1]})" if got else self.state()
+        info = self._info()
+        if not info:
+            return "ended"
+        reason = info.get("Reason", "None")
+        return info["JobState"] + (f" ({reason})" if reason != "None" else "")
+
+    def in_queue(self) -> bool:
+        try:
+            out = subprocess.run(["squeue", "-h", "-j", self.id], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return False
+        return bool(out.stdout.strip())
+
+    def wait_gone(self, timeout: float = 30.0) -> bool:
+        """Wait (bounded) until the job has left squeue; True when it has."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while self.in_queue():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True

@@ -1,0 +1,113 @@
+"""Ranks on a real Slurm (tests/slurm_site.py): ipyparallel's Slurm launcher submits the engines' job.
+
+Skipped, with the reason, only where slurm-wlm and munge are not installed
+or the tests do not run as root (.ci/setup installs them on CI).
+"""
+from __future__ import annotations
+
+import subprocess
+import threading
+import time
+
+import psutil
+import pytest
+
+from nbtool.cluster import ClusterError
+from slurm_site import SlurmSite, unavailable
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(f"no Slurm on this machine: {why}")
+    site = SlurmSite(tmp_path_factory.mktemp("slurm"))
+    try:
+        yield site.open()
+    finally:
+        site.close()
+
+
+def _cluster(ip):
+    return ip.magics_manager.registry["NbtoolMagics"].rank_cluster
+
+
+def _gone(pids) -> bool:
+    return not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids)
+
+
+def test_a_slurm_cluster_is_one_world_in_slurms_order_and_stop_leaves_nothing(ip, slurm):
+    ip.run_line_magic("cluster", "start -n 2 --engines slurm --timeout 90")
+    cluster = _cluster(ip)
+    try:
+        job = cluster.slurm_job
+        assert job and slurm.jobs() == [f"{job} RUNNING"]
+        assert f"launcher slurm, job {job}" in repr(ip.run_line_magic("cluster", "status"))
+        ip.run_cell("%%distributed --quiet\nimport os\n_ids = (int(os.environ['SLURM_PROCID']), rank, "
+                    "os.environ['SLURM_JOB_ID'], os.environ['LOCAL_RANK'], os.environ['NODE_RANK'])\n"
+                    "_t = torch.ones(1) * (rank + 1)\ndist.all_reduce(_t)").raise_error()
+        ip.run_line_magic("dist_pull", "_ids _t")
+        assert ip.user_ns["_ids"] == [(0, 0, job, "0", "0"), (1, 1, job, "1", "0")]  # rank = Slurm's task id
+        assert [t.item() for t in ip.user_ns["_t"]] == [3.0, 3.0]
+        ip.run_cell("%%distributed fsdp --quiet\nfrom nbtool.rank.example_models import TinyTransformer, "
+                    "SyntheticTokens, lm_loss\nm = TinyTransformer()\no = torch.optim.AdamW(m.parameters())\n"
+                    "m, o = strategy.prepare(m, o)\nfor i, (x, y) in enumerate(strategy.dataloader(SyntheticTokens(32), 4)):\n"
+                    "    strategy.backward(lm_loss(m(x), y)); o.step(); o.zero_grad()\n    if i == 2:\n        break\n"
+                    "_steps = strategy.steps").raise_error()
+        ip.run_line_magic("dist_pull", "_steps")
+        assert ip.user_ns["_steps"] == [3, 3]
+        pids = list(cluster.pids)
+    finally:
+        ip.run_line_magic("cluster", "stop")
+    assert slurm.jobs() == []  # scancel'd, and gone from the queue when stop returns
+    assert _gone(pids)
+
+
+def test_scancel_mid_cell_is_named_with_the_jobs_state(ip, slurm):
+    ip.run_line_magic("cluster", "start -n 2 --engines slurm --timeout 90")
+    cluster = _cluster(ip)
+    try:
+        job = cluster.slurm_job
+        threading.Timer(3.0, lambda: subprocess.run(["scancel", job], timeout=10)).start()
+        t0 = time.perf_counter()
+        res = ip.run_cell("%%distributed --quiet\nimport time\nfor _ in range(3000):\n"
+                          "    dist.all_reduce(torch.ones(1)); time.sleep(0.01)")
+        took = time.perf_counter() - t0 - 3.0
+        text = "\n".join(res.error_in_exec._render_traceback_())
+        assert f"slurm job {job} CANCELLED" in text, text
+        assert "gone; %cluster restart brings back 2 rank(s)" in text, text
+        assert took < 30, took
+        assert [r["state"] for r in cluster.status()] == ["lost", "lost"]
+    finally:
+        ip.run_line_magic("cluster", "stop")
+    assert slurm.jobs() == []
+
+
+def test_a_job_that_never_starts_is_refused_within_timeout_with_slurms_reason(ip, slurm):
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError) as info:  # held back an hour: pending (BeginTime) until --timeout
+        ip.run_line_magic("cluster", 'start -n 2 --engines slurm --timeout 8 --slurm-args "--begin=now+3600 '
+                                     '--job-name=held"')
+    assert time.perf_counter() - t0 < 8 + 30
+    assert "within --timeout 8s" in str(info.value) and "pending (BeginTime)" in str(info.value), info.value
+    assert slurm.jobs() == []  # nothing left queued
+    assert _cluster(ip) is None
+
+
+def test_a_request_slurm_never_grants_is_refused_at_once_with_its_reason(ip, slurm):
+    t0 = time.perf_counter()
+    with pytest.raises(ClusterError) as info:  # one node here: three are never had
+        ip.run_line_magic("cluster", 'start -n 2 --engines slurm --timeout 60 --slurm-args "--nodes=3 --exclusive"')
+    assert time.perf_counter() - t0 < 30  # not the whole --timeout
+    assert "cannot start: pending (Partition" in str(info.value), info.value  # PartitionConfig or ...NodeLimit
+    assert slurm.jobs() == []
+
+
+def test_a_job_sbatch_refuses_is_refused_with_sbatchs_words(ip, slurm):
+    with pytest.raises(ClusterError) as info:
+        ip.run_line_magic("cluster", 'start -n 2 --engines slurm --timeout 30 --slurm-args "--partition=nosuch --time=5"')
+    text = str(info.value)
+    assert "the slurm launcher could not start the engines" in text and "invalid partition specified: nosuch" in text, text
+    assert slurm.jobs() == []
