@@ -289,6 +289,9 @@ class RankCluster:
             # stop_cluster signals the processes; wait so none outlives the call
             for launcher in [cluster.controller, *cluster.engines.values()]:
                 _wait_launcher(launcher)
+            # stopped: ipyparallel's own atexit/__del__ stop would run scancel or ssh again, later
+            cluster.engines.clear()
+            cluster.controller = None
 
     @property
     def running(self) -> bool:
