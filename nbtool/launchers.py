@@ -95,6 +95,10 @@ def cluster_kwargs(opts: ClusterOptions, ip: str) -> dict:
         cfg.MPIEngineSetLauncher.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
         if os.geteuid() == 0:  # Open MPI refuses root unless told twice
             cfg.MPIEngineSetLauncher.mpi_args = ["--allow-run-as-root", "--oversubscribe"]
+    # an engine whose controller is gone (the kernel killed outright) shuts itself down after 20
+    # missed pings (30 s); ipyparallel's default is 50
+    for launcher in ("SSHEngineSetLauncher", "SlurmEngineSetLauncher", "MPIEngineSetLauncher"):
+        cfg[launcher].engine_args = ["--IPEngine.max_heartbeat_misses=20"]
     # a host lost takes its engines' nannies with it, so only the controller's heartbeat can tell:
     # 1 s pings, 5 missed (ipyparallel's default is 3 s x 10: half a minute)
     beat = ["--HeartMonitor.period=1000", "--HeartMonitor.max_heartmonitor_misses=5"] if opts.multi_host else []

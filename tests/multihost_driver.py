@@ -39,6 +39,9 @@ def main() -> None:
                                  f'--ssh-args "-F {cfg["ssh_config"]}" --timeout 90')
     result["start_s"] = time.perf_counter() - t0
     cluster = magics.rank_cluster
+    if cfg.get("die"):  # the kernel killed outright: no stop, no atexit
+        print("STARTED " + json.dumps(cluster.pids), flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
     status = cluster.status()
     result["status"] = [{k: r.get(k) for k in ("rank", "host", "node_rank", "local_rank", "state")} for r in status]
     result["header"] = repr(ip.run_line_magic("cluster", "status")).splitlines()[0]
@@ -69,6 +72,11 @@ def main() -> None:
     err = res.error_in_exec
     result["lost_error"] = "\n".join(err._render_traceback_()) if hasattr(err, "_render_traceback_") else str(err)
     result["status_after"] = [r.get("state") for r in cluster.status()]
+    ip.run_line_magic("cluster", "restart")  # the same layout again: one rank on each host
+    result["restarted"] = [[p.address, p.node_rank] for p in cluster.places]
+    ip.run_cell("%%distributed --quiet\n_t = torch.ones(1)\ndist.all_reduce(_t)\n_n = _t.item()").raise_error()
+    ip.run_line_magic("dist_pull", "_n")
+    result["restarted_sum"] = ip.user_ns["_n"]
     ip.run_line_magic("cluster", "stop")
     time.sleep(1.0)
     print("RESULT " + json.dumps(result), flush=True)

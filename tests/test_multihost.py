@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -97,6 +98,8 @@ def test_the_second_hosts_engine_killed_is_named_as_that_host_lost(driven, two_h
     assert f"({b}): rank 1 gone" in text, text
     assert driven["lost_s"] < 20, driven["lost_s"]
     assert driven["status_after"] == ["ready", "lost"]
+    a = two_hosts.addresses[0]
+    assert driven["restarted"] == [[a, 0], [b, 1]] and driven["restarted_sum"] == [2.0, 2.0]  # %cluster restart
 
 
 def test_stop_leaves_nothing_in_either_namespace(driven, two_hosts):
@@ -104,6 +107,25 @@ def test_stop_leaves_nothing_in_either_namespace(driven, two_hosts):
         left = two_hosts.pids(i) - {p.pid for p in two_hosts.sshd}
         assert not left, [subprocess.run(["ps", "-o", "pid,args", "-p", str(p)], capture_output=True,
                                          text=True).stdout for p in left]
+
+
+def test_a_kernel_killed_outright_leaves_nothing_on_either_host(driven, two_hosts, tmp_path_factory):
+    """After the module's own cluster (driven) has come and gone: a kernel SIGKILLed with its cluster up."""
+    cfg = {"hosts": list(two_hosts.addresses), "ssh_config": str(two_hosts.ssh_config),
+           "shared": str(two_hosts.shared), "namespaces": list(two_hosts.names), "die": True}
+    env = dict(os.environ, IPYTHONDIR=str(tmp_path_factory.mktemp("ipython-die")), PYTHONPATH=str(ROOT))
+    r = subprocess.run(["ip", "netns", "exec", two_hosts.names[0], sys.executable,
+                        str(ROOT / "tests" / "multihost_driver.py"), json.dumps(cfg)],
+                       capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert "STARTED" in r.stdout and r.returncode == -9, (r.returncode, r.stdout[-2000:], r.stderr[-2000:])
+    deadline = time.monotonic() + 60
+    sshd = {p.pid for p in two_hosts.sshd}
+    while True:
+        left = [two_hosts.pids(i) - sshd for i in range(2)]
+        if not any(left):
+            break
+        assert time.monotonic() < deadline, f"still running 60 s after the kernel died: {left}"
+        time.sleep(0.5)
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI is not installed (.ci/setup installs it as root)")
