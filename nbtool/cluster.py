@@ -202,7 +202,7 @@ class RankCluster:
         cleanup = (self._store_dir, getattr(self._cluster, "cluster_file", None))
         store = launchers.store_path(self.options, self._store_dir, places)
         if self.options.rendezvous and store:
-            self._check_shared(os.path.dirname(store), "--rendezvous")
+            self.check_shared(os.path.dirname(store), "--rendezvous")
         mine = launchers.boot_id()
         pending = [
             self.client[eid].apply_async(
@@ -238,15 +238,21 @@ class RankCluster:
             except ipp.error.RemoteError as e:
                 raise ClusterError(f"rank {rank} failed to initialise: {e.ename}: {e.evalue}") from None
 
-    def _check_shared(self, directory: str, what: str) -> None:
-        """Refuse a directory some rank's host does not see: the kernel writes a file, every rank looks."""
-        marker = os.path.join(directory, f".nbtool-shared-{os.getpid()}-{time.monotonic_ns()}")
-        with open(marker, "w"):
-            pass
+    def check_shared(self, directory: str, what: str) -> None:
+        """Refuse a directory some rank's host does not see: rank 0 writes a file in it (making the
+        directory), every rank looks for it; a ClusterError names the hosts that do not see it."""
+        ranks = list(range(self.layout.n))
+        token = f"{os.getpid()}-{time.monotonic_ns()}"
         try:
-            seen = self.view(list(range(self.layout.n))).apply_async(os.path.exists, marker).get(timeout=30)
+            self.view([0]).apply_async(bootstrap.shared_probe, directory, token, True).get(timeout=30)
+            seen = self.view(ranks).apply_async(bootstrap.shared_probe, directory, token, False).get(timeout=30)
+        except ipp.error.RemoteError as e:
+            raise ClusterError(f"{what} {directory}: rank 0 cannot write there: {e.evalue}") from None
         finally:
-            os.unlink(marker)
+            try:
+                self.view([0]).apply_async(bootstrap.shared_probe, directory, token, None).get(timeout=30)
+            except Exception:
+                pass
         blind = [r for r, ok in enumerate(seen) if not ok]
         if blind:
             raise ClusterError(f"{what} {directory}: not shared with every host; "

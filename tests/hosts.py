@@ -51,6 +51,8 @@ class TwoHosts:
         self.ssh_config = root / "ssh_config"
         self.shared = root / "shared"  # a directory both "hosts" see (one filesystem)
         self.shared.mkdir()
+        self.private = root / "private"  # the second host mounts its own tmpfs here: not shared
+        self.private.mkdir()
 
     def open(self) -> "TwoHosts":
         a, b = self.names
@@ -76,8 +78,11 @@ class TwoHosts:
                 f"AuthorizedKeysFile {self.root / 'authorized_keys'}", "PermitRootLogin prohibit-password",
                 "PasswordAuthentication no", "KbdInteractiveAuthentication no", "StrictModes no", "UsePAM no",
                 f"PidFile {self.root / f'sshd_{i}.pid'}", "Subsystem sftp internal-sftp", ""]))
-            self.sshd.append(subprocess.Popen(["ip", "netns", "exec", ns, "/usr/sbin/sshd", "-D", "-e", "-f",
-                                               str(conf)], stdout=subprocess.DEVNULL,
+            sshd = ["/usr/sbin/sshd", "-D", "-e", "-f", str(conf)]
+            if i == 1:  # its own mount namespace, where `private` is a tmpfs nobody else sees
+                sshd = ["unshare", "-m", "--propagation", "private", "sh", "-c",
+                        f"mount -t tmpfs nbtool-private {self.private} && exec {' '.join(sshd)}"]
+            self.sshd.append(subprocess.Popen(["ip", "netns", "exec", ns, *sshd], stdout=subprocess.DEVNULL,
                                               stderr=open(self.root / f"sshd_{i}.log", "w")))
         self.ssh_config.write_text("\n".join([
             "Host *", f"  Port {SSH_PORT}", f"  IdentityFile {key}", "  StrictHostKeyChecking no",

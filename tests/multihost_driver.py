@@ -59,6 +59,12 @@ def main() -> None:
                 "_w = float(sum(p.detach().sum() for p in m.parameters()))").raise_error()
     ip.run_line_magic("dist_pull", "_losses _w")
     result["losses"], result["weights"] = ip.user_ns["_losses"], ip.user_ns["_w"]
+    for name, path in (("checkpoint_private", cfg["private"] + "/ckpt"), ("checkpoint_shared", cfg["shared"] + "/ckpt")):
+        try:
+            ip.run_line_magic("dist_checkpoint", f"save {path}")
+            result[name] = "saved"
+        except Exception as e:
+            result[name] = f"{type(e).__name__}: {e}"
     result["listening"] = {ns: listeners(ns) for ns in cfg["namespaces"]}
     result["pids"] = {"controller": cluster._cluster.controller.process.pid, "ranks": list(cluster.pids)}
 

@@ -42,7 +42,8 @@ def two_hosts(tmp_path_factory):
 def driven(two_hosts, tmp_path_factory):
     """What the driver saw, run once for the module (one cluster across the two hosts)."""
     cfg = {"hosts": list(two_hosts.addresses), "ssh_config": str(two_hosts.ssh_config),
-           "shared": str(two_hosts.shared), "namespaces": list(two_hosts.names)}
+           "shared": str(two_hosts.shared), "namespaces": list(two_hosts.names),
+           "private": str(two_hosts.private)}
     env = dict(os.environ, IPYTHONDIR=str(tmp_path_factory.mktemp("ipython")), PYTHONPATH=str(ROOT))
     r = subprocess.run(["ip", "netns", "exec", two_hosts.names[0], sys.executable,
                         str(ROOT / "tests" / "multihost_driver.py"), json.dumps(cfg)],
@@ -72,6 +73,14 @@ def test_a_ddp_cell_trains_the_same_replica_on_both_hosts(driven):
     assert w0 == w1  # the gradients were averaged across the hosts: one model
     assert all(len(x) == 3 and all(v == v for v in x) for x in driven["losses"])
     assert driven["losses"][0] != driven["losses"][1]  # each host read its own shard of the data
+
+
+def test_checkpoints_need_a_directory_every_host_sees(driven, two_hosts):
+    b = two_hosts.addresses[1]
+    assert driven["checkpoint_shared"] == "saved"
+    text = driven["checkpoint_private"]
+    assert text.startswith("ClusterError: %dist_checkpoint save") and "not shared with every host" in text, text
+    assert f"({b}): rank 1 do not see it" in text, text
 
 
 def test_nothing_listens_beyond_the_chosen_interface_and_loopback(driven, two_hosts):
@@ -112,7 +121,8 @@ def test_stop_leaves_nothing_in_either_namespace(driven, two_hosts):
 def test_a_kernel_killed_outright_leaves_nothing_on_either_host(driven, two_hosts, tmp_path_factory):
     """After the module's own cluster (driven) has come and gone: a kernel SIGKILLed with its cluster up."""
     cfg = {"hosts": list(two_hosts.addresses), "ssh_config": str(two_hosts.ssh_config),
-           "shared": str(two_hosts.shared), "namespaces": list(two_hosts.names), "die": True}
+           "shared": str(two_hosts.shared), "namespaces": list(two_hosts.names),
+           "private": str(two_hosts.private), "die": True}
     env = dict(os.environ, IPYTHONDIR=str(tmp_path_factory.mktemp("ipython-die")), PYTHONPATH=str(ROOT))
     r = subprocess.run(["ip", "netns", "exec", two_hosts.names[0], sys.executable,
                         str(ROOT / "tests" / "multihost_driver.py"), json.dumps(cfg)],

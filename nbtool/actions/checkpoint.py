@@ -15,6 +15,8 @@ def checkpoint(cluster: RankCluster, action: str, path: str, optimizer: bool = T
     from ..rank import strategies
 
     ranks = list(range(cluster.world_size))
+    if cluster.options.multi_host and action == "save":  # every rank writes its part there
+        cluster.check_shared(path, "%dist_checkpoint save")
     prepare_cell(cluster, ranks, None, collectives=True)
     ar = cluster.view(ranks).apply_async(strategies.checkpoint, action, path, optimizer)
     try:

@@ -38,6 +38,8 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     from ..spec import deepspeed_config, dumps_config
 
     ranks = list(range(cluster.world_size))
+    if spec.checkpoint_every and cluster.options.multi_host:  # before the cell: every rank saves there
+        cluster.check_shared(spec.checkpoint_dir or "checkpoints", "--checkpoint-dir")
     prepare_cell(cluster, ranks, collective_timeout, collectives=True)
     if export_config:
         text = dumps_config(deepspeed_config(spec, cluster.world_size))

@@ -195,6 +195,22 @@ def free_port(address: str) -> int:
         return s.getsockname()[1]
 
 
+def shared_probe(directory: str, token: str, write: bool | None) -> bool:
+    """Is ``directory`` one filesystem for every rank: write (True) a marker named by ``token``,
+    look for it (False), or remove it (None)."""
+    marker = os.path.join(os.path.abspath(directory), f".nbtool-shared-{token}")
+    if write:
+        os.makedirs(os.path.dirname(marker), exist_ok=True)
+        with open(marker, "w"):
+            pass
+        return True
+    if write is None:
+        if os.path.exists(marker):
+            os.unlink(marker)
+        return True
+    return os.path.exists(marker)
+
+
 def host_facts(ifname: str | None) -> dict:
     """Where this engine runs, before it is a rank: host name, its address on ``ifname``, the machine's
     boot id (equal boot ids: one machine, whatever the network namespace), and the launcher's own
