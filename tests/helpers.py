@@ -45,3 +45,18 @@ def browser_dom(path, budget_ms: int = 8000) -> str:
             capture_output=True, text=True, timeout=120,
         )
     return out.stdout
+
+
+def site(cls, unavailable, what: str, root):
+    """A fixture's body for a real site the tests build (two hosts, a Slurm): skipped with the reason
+    where this machine cannot build it; ``cls(root).open()`` yielded, ``close()`` even after a failure."""
+    import pytest
+
+    why = unavailable()
+    if why:
+        pytest.skip(f"{what}: {why}")
+    made = cls(root)
+    try:
+        yield made.open()
+    finally:
+        made.close()

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from IPython.core.error import UsageError
 
+from helpers import site
 from hosts import IFNAME, TwoHosts, unavailable
 
 pytestmark = pytest.mark.slow
@@ -28,14 +29,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def two_hosts(tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(f"two network-isolated hosts cannot be built on this machine: {why}")
-    hosts = TwoHosts(tmp_path_factory.mktemp("hosts"))
-    try:
-        yield hosts.open()
-    finally:
-        hosts.close()
+    yield from site(TwoHosts, unavailable, "two network-isolated hosts cannot be built on this machine",
+                    tmp_path_factory.mktemp("hosts"))
 
 
 @pytest.fixture(scope="module")
@@ -103,7 +98,7 @@ def test_nothing_listens_beyond_the_chosen_interface_and_loopback(driven, two_ho
 def test_the_second_hosts_engine_killed_is_named_as_that_host_lost(driven, two_hosts):
     b = two_hosts.addresses[1]
     text = driven["lost_error"]
-    assert f"rank 1 on " in text and f"({b})" in text and "died during the cell" in text, text
+    assert "rank 1 on " in text and f"({b})" in text and "died during the cell" in text, text
     assert f"({b}): rank 1 gone" in text, text
     assert driven["lost_s"] < 20, driven["lost_s"]
     assert driven["status_after"] == ["ready", "lost"]

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from nbtool.cluster import ClusterError
+from helpers import site
 from slurm_site import SlurmSite, unavailable
 
 pytestmark = pytest.mark.slow
@@ -20,14 +21,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
-    why = unavailable()
-    if why:
-        pytest.skip(f"no Slurm on this machine: {why}")
-    site = SlurmSite(tmp_path_factory.mktemp("slurm"))
-    try:
-        yield site.open()
-    finally:
-        site.close()
+    yield from site(SlurmSite, unavailable, "no Slurm on this machine", tmp_path_factory.mktemp("slurm"))
 
 
 def _cluster(ip):
