@@ -60,6 +60,19 @@ def make_cluster(ip, cluster):
     magics.rank_cluster = cluster
 
 
+@pytest.fixture(scope="module")
+def parked(ip):
+    """The module starts and stops its own clusters (other launchers); whatever cluster the session
+    had waits, parked, and is put back at the end (a cluster the module left running is stopped)."""
+    magics = ip.magics_manager.registry["NbtoolMagics"]
+    saved, magics.rank_cluster = magics.rank_cluster, None
+    yield
+    left = magics.rank_cluster
+    if left is not None and left is not saved and left.running:
+        left.stop()
+    magics.rank_cluster = saved
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     """Keep each phase's report on the test item (browser tests screenshot failed checks)."""

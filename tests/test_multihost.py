@@ -134,7 +134,7 @@ def test_a_kernel_killed_outright_leaves_nothing_on_either_host(driven, two_host
 
 
 @pytest.mark.skipif(shutil.which("mpiexec") is None, reason="Open MPI is not installed (.ci/setup installs it as root)")
-def test_mpi_launcher_ranks_match_mpis(ip):
+def test_mpi_launcher_ranks_match_mpis(ip, parked):
     ip.run_line_magic("cluster", "start -n 2 --engines mpi --timeout 90")
     try:
         ip.run_cell("%%distributed --quiet\nimport os\n_mpi = int(os.environ['OMPI_COMM_WORLD_RANK'])\n"
@@ -161,7 +161,7 @@ def test_mpi_launcher_ranks_match_mpis(ip):
     ('start --slurm-args "--partition=x --time=5"', "--slurm-args applies to --engines slurm"),
     ("status --engines ssh", "--engines only apply to %cluster start, not status"),
 ])
-def test_launcher_options_refused_with_the_reason(ip, line, message):
+def test_launcher_options_refused_with_the_reason(ip, parked, line, message):
     with pytest.raises(UsageError, match=re.escape(message)):
         ip.run_line_magic("cluster", line)
     assert ip.magics_manager.registry["NbtoolMagics"].rank_cluster is None or \

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm(tmp_path_factory, parked):
     yield from site(SlurmSite, unavailable, "no Slurm on this machine", tmp_path_factory.mktemp("slurm"))
 
 
