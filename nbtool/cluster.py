@@ -292,6 +292,11 @@ class RankCluster:
             job, self._job = getattr(self, "_job", None), None
             if job is not None:  # scancel'd by the launcher: return once Slurm has let go of it
                 job.wait_gone()
+            if self.options.engines == "slurm":
+                try:
+                    os.unlink(launchers.batch_file())
+                except OSError:
+                    pass
             # stop_cluster signals the processes; wait so none outlives the call
             for launcher in [cluster.controller, *cluster.engines.values()]:
                 _wait_launcher(launcher)

@@ -90,6 +90,8 @@ def cluster_kwargs(opts: ClusterOptions, ip: str) -> dict:
         cfg.SSHEngineSetLauncher.remote_python = sys.executable
     elif opts.engines == "slurm":
         cfg.SlurmEngineSetLauncher.submit_command = ["sbatch", *shlex.split(opts.slurm_args)]
+        # the batch script: not in the notebook's directory (ipyparallel's default), which is the job's
+        cfg.SlurmEngineSetLauncher.batch_file_name = batch_file()
         cfg.SlurmEngineSetLauncher.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
     elif opts.engines == "mpi":
         cfg.MPIEngineSetLauncher.engine_cmd = [sys.executable, "-m", "ipyparallel.engine"]
@@ -133,6 +135,13 @@ def launch_failure(cluster) -> str | None:
         lines = [line for line in out.splitlines() if line.strip()][-6:]
         return "\n".join(lines) or "(no output)"
     return None
+
+
+def batch_file() -> str:
+    """Where this kernel's engines' Slurm batch script is written (removed by RankCluster.stop)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"nbtool-engines-{os.getpid()}.sbatch")
 
 
 def boot_id() -> str | None:
