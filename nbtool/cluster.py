@@ -282,6 +282,8 @@ class RankCluster:
             except Exception:
                 pass
         if cluster is not None:
+            # the controller and its scheduler processes, to be sure none outlives a failed start
+            tree = _process_tree(getattr(cluster.controller, "process", None))
             # engines and controller apart: a launcher that fails to stop (an ssh host gone) must not
             # leave the controller running
             for stop in (cluster.stop_engines_sync, cluster.stop_controller_sync):
@@ -303,6 +305,11 @@ class RankCluster:
             # stopped: ipyparallel's own atexit/__del__ stop would run scancel or ssh again, later
             cluster.engines.clear()
             cluster.controller = None
+            for p in tree:  # what stop_controller left (seen after a start sbatch refused)
+                try:
+                    p.kill()
+                except Exception:
+                    pass
 
     @property
     def running(self) -> bool:
@@ -461,6 +468,20 @@ class RankCluster:
                 row["state"] = f"error: {e.ename}"
             rows.append(row)
         return sorted(rows, key=lambda r: r["rank"])
+
+
+def _process_tree(proc) -> list:
+    """psutil handles of ``proc`` (a Popen or psutil.Process, or None) and its descendants."""
+    import psutil
+
+    pid = getattr(proc, "pid", None)
+    if not pid:
+        return []
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 def _tail(path: str | None, nbytes: int = 4096) -> str:
