@@ -53,6 +53,25 @@ def size_sweep(spec: str, factor: float) -> list[int]:
     return sorted(set(sizes))
 
 
+LINKS = ("intra-host", "inter-host")
+
+
+def link_groups(nodes: list[int]) -> dict[str, tuple[int, ...]]:
+    """The ranks that measure each link apart, from each rank's node: intra-host is the first node
+    holding two or more ranks (their traffic never leaves it); inter-host is the first rank of every
+    node (one per host, so every byte crosses the network). A link that does not exist is absent."""
+    by: dict = {}
+    for rank, node in enumerate(nodes):
+        by.setdefault(node, []).append(rank)
+    groups = {}
+    intra = next((r for _, r in sorted(by.items()) if len(r) >= 2), None)
+    if intra and len(by) > 1:
+        groups["intra-host"] = tuple(intra)
+    if len(by) > 1:
+        groups["inter-host"] = tuple(r[0] for _, r in sorted(by.items()))
+    return groups
+
+
 def element_count(op: str, size_bytes: int, n: int, elem: int) -> int:
     """Elements for S ~ size_bytes: at least one per rank, and divisible by n where the op splits."""
     count = max(1, size_bytes // elem)
@@ -102,6 +121,7 @@ class CommbenchResult:
     inplace: bool
     label: str = ""
     repeat: int = 1
+    link: str = ""  # "intra-host" or "inter-host" when the ranks were chosen to measure one link (LINKS)
     rows: list = field(default_factory=list)  # one dict per (op, size)
     fits: dict = field(default_factory=dict)  # op -> Fit
 
@@ -162,7 +182,8 @@ class CommbenchResult:
             head += (f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'min/max(us) over repeats':>25}"
                      f" {'min/med/max(us) across ranks':>30}")
         head += f" {'#wrong':>6}"
-        lines = [f"# {self.label or 'commbench'}: {self.backend}, ranks {self.ranks}, {self.dtype}, "
+        link = f" ({self.link} link)" if self.link else ""
+        lines = [f"# {self.label or 'commbench'}{link}: {self.backend}, ranks {self.ranks}, {self.dtype}, "
                  f"{self.repeat} x {self.iters} iters after {self.warmup} warm-up (time: median of the repeats), "
                  f"{'in-place' if self.inplace else 'out-of-place'}",
                  head]
@@ -196,3 +217,44 @@ class CommbenchResult:
         import html
 
         return f"<pre style='white-space:pre; overflow-x:auto'>{html.escape(self.text())}</pre>"
+
+
+@dataclass
+class CommbenchLinks:
+    """A sweep on a cluster of several hosts: all ranks, then each link apart (intra-host and
+    inter-host, ``link_groups``). ``.fits`` are the whole world's; ``part(link)`` one link's result."""
+
+    results: list  # CommbenchResult: the world first, then one per link measured
+
+    def part(self, link: str):
+        return next((r for r in self.results if r.link == link), None)
+
+    @property
+    def fits(self) -> dict:
+        return self.results[0].fits
+
+    @property
+    def wrong(self) -> int:
+        return sum(r.wrong for r in self.results)
+
+    def text(self, deterministic: bool = False) -> str:
+        return "\n\n".join(r.text(deterministic) for r in self.results)
+
+    def __repr__(self) -> str:
+        return self.text()
+
+    def _repr_html_(self) -> str:
+        return "".join(r._repr_html_() for r in self.results)
+
+    def figure(self, *others):
+        """Every part overlaid (and other results after them)."""
+        return self.results[0].figure(*self.results[1:], *others)
+
+    def export(self, path: str) -> None:
+        with open(path, "w") as f:
+            json.dump({"links": [r.to_dict() for r in self.results]}, f, indent=1)
+
+    @classmethod
+    def load(cls, path: str) -> "CommbenchLinks":
+        with open(path) as f:
+            return cls([CommbenchResult.from_dict(d) for d in json.load(f)["links"]])

@@ -202,6 +202,8 @@ class Release:
     closed_on: list[int]  # ranks whose process group was closed for that
     restarted: bool  # nothing else worked: fresh engines
     stuck: list[int] = field(default_factory=list)  # still running (only when no restart was allowed)
+    killed: list[int] = field(default_factory=list)  # engines stopped: blocked with a host that was lost
+    lost_hosts: str = ""  # those hosts, for the note
 
     def note(self) -> str:
         parts = []
@@ -219,6 +221,11 @@ class Release:
                          "(fresh ranks: variables are gone; resume from a checkpoint)")
         if self.stuck:
             parts.append(f"{label_ranks(self.stuck)} still running (blocked)")
+        if self.killed:
+            parts.append(f"{label_ranks(self.killed)} stayed blocked in a collective with the lost host's ranks, "
+                         f"so {'its engine was' if len(self.killed) == 1 else 'their engines were'} stopped "
+                         f"(variables are gone); %cluster restart brings back the layout once {self.lost_hosts} "
+                         "can be reached")
         return "; ".join(parts)
 
 
@@ -265,6 +272,15 @@ def release(cluster, children, late: list[int], progress, unresponsive: list[int
         stuck = still
     if unresponsive:
         return Release(stopped, [], idle, False, stuck=stuck)
+    if lost and cluster.options.multi_host:
+        # fresh engines need every host, and a lost one may be cut off (a restart would wait out
+        # --timeout on it): stop only the blocked engines, through their own hosts' nannies
+        hosts = cluster.lost_text()
+        progress(f"{label_ranks(stuck)} still blocked with the lost host's ranks: stopping {'its' if len(stuck) == 1 else 'their'} "
+                 "engine(s) ...")
+        cluster.signal(stuck, "SIGKILL")
+        wait(RELEASE_GRACE_S)
+        return Release(stopped, [], idle, False, killed=stuck, lost_hosts=hosts)
     progress(f"{label_ranks(stuck)} still blocked: restarting the engines ...")
     cluster.restart(progress)
     return Release(stopped, [], idle, True)

@@ -380,7 +380,8 @@ class NbtoolMagics(Magics):
     @argument("--repeat", type=positive_int, default=5,
               help="timed batches per size (default 5): the time is their median, min/max their spread")
     @argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
-    @argument("--ranks", default=None, help="benchmark a subset of ranks, e.g. 0,1 (default: all)")
+    @argument("--ranks", default=None, help="benchmark a subset of ranks, e.g. 0,1 (default: all, and on several "
+                                            "hosts each link apart too)")
     @argument("--inplace", action="store_true",
               help="all_gather / reduce_scatter in place (all_reduce and broadcast always are)")
     @argument("--label", default="", help="name for this result in tables and overlaid plots")
@@ -395,6 +396,10 @@ class NbtoolMagics(Magics):
         the nccl-tests factor; every result is checked (#wrong). Returns a
         CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
         to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
+        On ranks of several hosts, without ``--ranks``, it then measures each
+        link apart (intra-host: one host's ranks; inter-host: one rank per
+        host) and returns a CommbenchLinks (``.part("inter-host")``), whose
+        fits ``%dist_plan`` uses for each link.
         """
         from . import actions
         from .commbench import BENCH_OPS, DTYPES, size_sweep
@@ -418,8 +423,8 @@ class NbtoolMagics(Magics):
             raise UsageError(f"--sizes {args.sizes} with --factor {args.factor:g} gives {len(sizes)} sizes; "
                              "use a larger --factor or a narrower range (at most 64)")
         cluster = self._require_cluster()
-        ranks = parse_ranks(args.ranks, cluster.world_size)
-        if len(ranks) < 2:
+        ranks = parse_ranks(args.ranks, cluster.world_size) if args.ranks is not None else None
+        if len(ranks or range(cluster.world_size)) < 2:
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
         return actions.commbench.commbench(self.session, cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
                                  args.inplace, self.in_kernel, label=args.label, repeat=args.repeat)

@@ -5,6 +5,8 @@ Usage: python tests/multihost_driver.py '{"hosts": [...], "ssh_config": ..., "sh
 """
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
@@ -83,6 +85,35 @@ def main() -> None:
     ip.run_cell("%%distributed --quiet\n_t = torch.ones(1)\ndist.all_reduce(_t)\n_n = _t.item()").raise_error()
     ip.run_line_magic("dist_pull", "_n")
     result["restarted_sum"] = ip.user_ns["_n"]
+
+    # the second host's network cut while both ranks run collectives: its engine lives on, unreachable
+    link = lambda state: subprocess.run(["ip", "netns", "exec", cfg["namespaces"][1], "ip", "link", "set", "nbt0",
+                                         state], check=True, timeout=20)
+    threading.Timer(3.0, link, ("down",)).start()
+    t0 = time.perf_counter()
+    try:
+        res = ip.run_cell("%%distributed --quiet\nimport time\nfor _ in range(2000):\n"
+                          "    dist.all_reduce(torch.ones(1)); time.sleep(0.01)")
+    finally:
+        result["cut_s"] = time.perf_counter() - t0 - 3.0
+        time.sleep(0.5)
+        link("up")
+    err = res.error_in_exec
+    result["cut_error"] = "\n".join(err._render_traceback_()) if hasattr(err, "_render_traceback_") else str(err)
+    result["cut_status"] = [r.get("state") for r in cluster.status()]
+    ip.run_line_magic("cluster", "stop")
+
+    # two ranks on each host: %commbench measures the links apart, %dist_plan sees 2 hosts x 2
+    ip.run_line_magic("cluster", f'start --hosts {a}:2,{b}:2 --interface nbt0 --rendezvous file:{cfg["shared"]} '
+                                 f'--ssh-args "-F {cfg["ssh_config"]}" --timeout 120')
+    cluster = magics.rank_cluster
+    bench = ip.run_line_magic("commbench", "all_reduce --sizes 4KB:256KB --factor 4 --iters 3 --repeat 1 --warmup 1")
+    result["bench"] = [{"link": r.link, "ranks": r.ranks, "label": r.label, "wrong": r.wrong,
+                        "fit": "all_reduce" in r.fits, "sizes": len(r.rows)} for r in bench.results]
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        ip.run_line_magic("dist_plan", "--text --model 1m")
+    result["plan"] = out.getvalue()
     ip.run_line_magic("cluster", "stop")
     time.sleep(1.0)
     print("RESULT " + json.dumps(result), flush=True)

@@ -5,7 +5,8 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbtool.collectives import bus_factor
-from nbtool.commbench import BENCH_OPS, CommbenchResult, fit_alpha_beta, parse_size, size_sweep
+from nbtool.commbench import BENCH_OPS, CommbenchLinks, CommbenchResult, fit_alpha_beta, link_groups, parse_size, \
+    size_sweep
 
 
 @pytest.mark.parametrize("op,n,factor", [
@@ -43,6 +44,59 @@ def test_alpha_beta_fit_recovers_known_parameters(op, n):
     rough = fit_alpha_beta(op, n, sizes, noisy)
     assert rough.alpha_s == pytest.approx(alpha, rel=0.1) and rough.bus_bandwidth == pytest.approx(bw, rel=0.1)
     assert 0.9 < rough.r2 < 1.0
+
+
+@pytest.mark.parametrize("nodes,groups", [
+    ([0, 0, 1, 1], {"intra-host": (0, 1), "inter-host": (0, 2)}),
+    ([0, 1, 1, 1], {"intra-host": (1, 2, 3), "inter-host": (0, 1)}),  # the first host with two ranks
+    ([0, 1], {"inter-host": (0, 1)}),  # one rank per host: no intra-host link
+    ([0, 0, 0], {}),  # one host: the whole sweep is the one link
+])
+def test_each_link_is_measured_by_the_ranks_that_use_only_it(nodes, groups):
+    assert link_groups(nodes) == groups
+
+
+def _fitted(link: str, ranks: list, alpha: float, bw: float) -> CommbenchResult:
+    sizes = [2**k for k in range(10, 20, 3)]
+    rows = [[{"op": "all_reduce", "count": s // 4, "size_bytes": s, "dtype": "float32", "rank": r,
+              "seconds": alpha + bus_factor("all_reduce", len(ranks)) * s / bw,
+              "samples": [alpha + bus_factor("all_reduce", len(ranks)) * s / bw], "wrong": 0, "clock": "wall"}
+             for s in sizes] for r in ranks]
+    return CommbenchResult.from_rank_rows(rows, backend="gloo", ranks=ranks, dtype="float32", iters=1, warmup=0,
+                                          inplace=False, link=link, label=link or "all ranks")
+
+
+def test_the_planner_takes_each_link_from_its_own_sweep(tmp_path):
+    from nbtool.plan.inputs import Hardware
+
+    links = CommbenchLinks([_fitted("", [0, 1, 2, 3], 80e-6, 0.5e9), _fitted("intra-host", [0, 1], 20e-6, 4e9),
+                            _fitted("inter-host", [0, 2], 90e-6, 0.3e9)])
+    hw = Hardware("2 hosts", 2, 2, 1e9, 1e9, 1.0, 1.0).with_commbench(links)
+    assert hw.intra_bw == pytest.approx(4e9) and hw.intra_latency == pytest.approx(20e-6)
+    assert hw.inter_bw == pytest.approx(0.3e9) and hw.inter_latency == pytest.approx(90e-6)  # not the mixed world's
+    assert hw.measured and links.fits is links.results[0].fits
+    assert "(inter-host link): gloo, ranks [0, 2]" in links.text()
+    links.export(tmp_path / "links.json")
+    again = CommbenchLinks.load(tmp_path / "links.json")
+    assert [r.link for r in again.results] == ["", "intra-host", "inter-host"] and again.text() == links.text()
+    one = Hardware("1 host", 1, 2, 1e9, 1e9, 1.0, 1.0).with_commbench(_fitted("", [0, 1], 20e-6, 4e9))
+    assert one.intra_bw == pytest.approx(4e9) and one.inter_bw == 1.0  # a plain sweep within a node
+
+
+def test_nodes_and_devices_per_node_come_from_where_the_ranks_run():
+    from nbtool.launchers import Place
+    from nbtool.plan.detect import hardware_from_facts
+
+    places = [Place("a", "10.0.0.1", 0, 0, 2, "x", 1), Place("a", "10.0.0.1", 0, 1, 2, "x", 2),
+              Place("b", "10.0.0.2", 1, 0, 2, "y", 3), Place("b", "10.0.0.2", 1, 1, 2, "y", 4)]
+    hw = hardware_from_facts({"host_memory": 64 * 2**30}, 4, "gloo", places)
+    assert (hw.nodes, hw.devices_per_node, hw.devices) == (2, 2, 4)
+    assert hw.name == "2 hosts x 2 CPU ranks (gloo)" and hw.device_memory == 32 * 2**30  # a host's RAM, halved
+    assert hw.bandwidth(2) == (hw.intra_latency, hw.intra_bw) and hw.bandwidth(4) == (hw.inter_latency, hw.inter_bw)
+    one = hardware_from_facts({"host_memory": 64 * 2**30}, 4, "gloo", places[:1] * 4)
+    assert (one.nodes, one.devices_per_node) == (1, 4) and one.name == "4 CPU ranks (gloo, this machine)"
+    gpus = {"host_memory": 2**40, "gpus": [{"name": "H100", "memory": 80 * 2**30}]}
+    assert hardware_from_facts(gpus, 4, "nccl", places).name == "2 hosts x 2x H100"
 
 
 def test_repeats_take_the_slowest_rank_per_repeat_then_the_median():

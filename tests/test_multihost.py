@@ -42,7 +42,7 @@ def driven(two_hosts, tmp_path_factory):
     env = dict(os.environ, IPYTHONDIR=str(tmp_path_factory.mktemp("ipython")), PYTHONPATH=str(ROOT))
     r = subprocess.run(["ip", "netns", "exec", two_hosts.names[0], sys.executable,
                         str(ROOT / "tests" / "multihost_driver.py"), json.dumps(cfg)],
-                       capture_output=True, text=True, timeout=420, env=env, cwd=ROOT)
+                       capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
     line = next((x for x in r.stdout.splitlines() if x.startswith("RESULT ")), None)
     assert line, f"driver failed (rc {r.returncode}):\n{r.stdout[-3000:]}\n{r.stderr[-4000:]}"
     return json.loads(line[len("RESULT "):])
@@ -104,6 +104,30 @@ def test_the_second_hosts_engine_killed_is_named_as_that_host_lost(driven, two_h
     assert driven["status_after"] == ["ready", "lost"]
     a = two_hosts.addresses[0]
     assert driven["restarted"] == [[a, 0], [b, 1]] and driven["restarted_sum"] == [2.0, 2.0]  # %cluster restart
+
+
+def test_the_second_hosts_network_cut_is_named_as_that_host_lost(driven, two_hosts):
+    """No process dies: the link goes down under a running cell, and the controller's heartbeat is
+    what notices. Rank 0, blocked in a collective with a peer that never answers (no reset comes),
+    has its engine stopped rather than a restart that would wait on the cut-off host."""
+    b = two_hosts.addresses[1]
+    text = driven["cut_error"]
+    assert f"({b}): rank 1" in text and " gone" in text, text
+    assert "rank 0 stayed blocked in a collective with the lost host's ranks, so its engine was stopped" in text, text
+    assert f"once vm ({b}): rank 1 can be reached" in text or f"({b}): rank 1 can be reached" in text, text
+    assert driven["cut_s"] < 30, driven["cut_s"]
+    assert driven["cut_status"] == ["lost", "lost"], driven["cut_status"]
+
+
+def test_commbench_measures_each_link_apart_and_the_planner_sees_hosts(driven):
+    bench = driven["bench"]
+    assert [(r["link"], r["ranks"]) for r in bench] == [("", [0, 1, 2, 3]), ("intra-host", [0, 1]),
+                                                        ("inter-host", [0, 2])]
+    assert all(r["wrong"] == 0 and r["fit"] and r["sizes"] == 4 for r in bench), bench
+    assert [r["label"] for r in bench] == ["all ranks", "intra-host", "inter-host"]
+    plan = driven["plan"]
+    assert "intra-host and inter-host links from the last %commbench all_reduce fit" in plan, plan
+    assert "on 4 x" in plan and "(2 hosts x 2 CPU ranks (gloo), measured links)" in plan, plan
 
 
 def test_stop_leaves_nothing_in_either_namespace(driven, two_hosts):

@@ -105,3 +105,18 @@ def test_a_job_sbatch_refuses_is_refused_with_sbatchs_words(ip, slurm):
     text = str(info.value)
     assert "the slurm launcher could not start the engines" in text and "invalid partition specified: nosuch" in text, text
     assert slurm.jobs() == []
+
+
+def test_the_multi_node_notebook_runs_on_this_slurm(slurm):
+    """notebooks/09_multi_node.ipynb under nbval, in its own Jupyter kernel, on the site's Slurm
+    (collected only where SLURM_CONF names a Slurm: notebooks/conftest.py)."""
+    import os
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--nbval-lax", "--nbval-current-env", "-p", "no:cacheprovider",
+                        "-q", "notebooks/09_multi_node.ipynb"], cwd=root, capture_output=True, text=True, timeout=600,
+                       env=dict(os.environ, DS_ACCELERATOR="cpu"))
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+    assert slurm.jobs() == []  # the notebook's %cluster stop left nothing queued

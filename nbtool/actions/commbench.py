@@ -10,8 +10,37 @@ from .state import Session
 
 
 def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int,
-              ranks: list[int], inplace: bool, in_kernel: bool, label: str = "", repeat: int = 5):
-    """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook)."""
+              ranks: list[int] | None, inplace: bool, in_kernel: bool, label: str = "", repeat: int = 5):
+    """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook).
+
+    Without ``ranks`` on a cluster of several hosts it measures all ranks, then each link apart
+    (``commbench.link_groups``: intra-host, inter-host), and returns a CommbenchLinks.
+    """
+    from ..commbench import CommbenchLinks, link_groups
+
+    everyone = list(range(cluster.world_size))
+    groups = link_groups([p.node_rank for p in cluster.places]) if ranks is None and cluster.places else {}
+    if not groups:
+        result = _sweep(cluster, ops, sizes, dtype, iters, warmup, ranks or everyone, inplace, in_kernel, label,
+                        repeat)
+    else:
+        named = lambda part: f"{label}: {part}" if label else part
+        parts = [_sweep(cluster, ops, sizes, dtype, iters, warmup, everyone, inplace, in_kernel, named("all ranks"),
+                        repeat)]
+        for link, members in groups.items():
+            parts.append(_sweep(cluster, ops, sizes, dtype, iters, warmup, list(members), inplace, in_kernel,
+                                named(link), repeat, link=link))
+        result = CommbenchLinks(parts)
+    state.commbench = result
+    if result.wrong:
+        print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
+              "for the sizes marked in the #wrong column", file=sys.stderr)
+    return result
+
+
+def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplace, in_kernel, label, repeat,
+           link: str = ""):
+    """One sweep over ``ranks`` (every rank takes part in making the sub-group), plotted live."""
     from ..commbench import DTYPES, CommbenchResult, element_count
     from ..rank import commbench as rank_bench
 
@@ -51,13 +80,9 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
         raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label,
-                                            repeat=repeat)
+                                            repeat=repeat, link=link)
     if plot is not None:  # the live plot's output becomes the result's static figure, in place
         from ..widgets.figures import replace_live
 
         replace_live(plot_id, result.figure(), retire=plot)
-    state.commbench = result
-    if result.wrong:
-        print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
-              "for the sizes marked in the #wrong column", file=sys.stderr)
     return result

@@ -110,7 +110,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
         from ..rank.bootstrap import hardware_facts
 
         facts = cluster.view([0]).apply_sync(hardware_facts)[0]
-        hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend)
+        hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend, cluster.places)
         measured = []
         if state.calibration is not None and state.calibration[0].measured \
                 and state.calibration[0].devices_per_node == hw.devices_per_node:
@@ -122,7 +122,9 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
             measured.append(f"{cal.name} from run {name!r}")
         if state.commbench is not None and "all_reduce" in state.commbench.fits:
             hw = hw.with_commbench(state.commbench)
-            measured.append("link from the last %commbench all_reduce fit")
+            links = [r.link for r in getattr(state.commbench, "results", []) if r.link]
+            measured.append(f"{' and '.join(links) + ' links' if links else 'link'} from the last %commbench "
+                            "all_reduce fit")
         if measured and req.text:
             print("measured on this cluster: " + "; ".join(measured)
                   + " (device memory from the ranks' own report; host link: preset)")

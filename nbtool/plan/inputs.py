@@ -163,13 +163,23 @@ class Hardware:
         return self.inter_latency, self.inter_bw
 
     def with_commbench(self, result) -> "Hardware":
-        """Use a %commbench all_reduce fit (alpha, bus B) for the links it measured."""
-        fit = result.fits.get("all_reduce")
-        if fit is None:
+        """Use %commbench all_reduce fits (alpha, bus B) for the links they measured: each link's
+        own part of a sweep across hosts (CommbenchLinks), else the one result's link, else the
+        intra-node link when its ranks fit in a node."""
+        parts = [r for r in getattr(result, "results", [result]) if "all_reduce" in r.fits]
+        if not parts:
             raise ValueError("the commbench result has no all_reduce fit; run %commbench all_reduce over several sizes")
-        if len(result.ranks) <= self.devices_per_node:
-            return replace(self, intra_latency=fit.alpha_s, intra_bw=fit.bus_bandwidth, measured=True)
-        return replace(self, inter_latency=fit.alpha_s, inter_bw=fit.bus_bandwidth, measured=True)
+        if any(r.link for r in parts):
+            parts = [r for r in parts if r.link]  # the mixed world sweep measures neither link alone
+        hw = self
+        for r in parts:
+            fit = r.fits["all_reduce"]
+            intra = r.link == "intra-host" or (not r.link and len(r.ranks) <= self.devices_per_node)
+            if intra:
+                hw = replace(hw, intra_latency=fit.alpha_s, intra_bw=fit.bus_bandwidth, measured=True)
+            else:
+                hw = replace(hw, inter_latency=fit.alpha_s, inter_bw=fit.bus_bandwidth, measured=True)
+        return hw
 
     def with_devices(self, devices: int) -> "Hardware":
         """The same kind of machine with ``devices`` devices (filling nodes of this size first)."""
