@@ -145,15 +145,16 @@ class RankCluster:
         job = self._job = launchers.SlurmJob.of(self._cluster)
         while not waiting.done():
             now = len(self.client.ids)
-            queued = job.pending() if job is not None else None
+            look = job.look() if job is not None else None  # one scontrol call per tick
+            queued = look.pending if look is not None else None
             if queued:
                 progress(f"slurm job {job.id} {queued} ...")
             elif now != seen:
                 progress(f"engines connected: {now}/{n}")
                 seen = now
-            if job is not None and job.gone():
-                raise ClusterError(f"slurm job {job.id} ended before its engines connected: {job.reason()}")
-            never = job.never() if queued else None
+            if look is not None and look.gone:
+                raise ClusterError(f"slurm job {job.id} ended before its engines connected: {look}")
+            never = look.never if look is not None else None
             if never:
                 raise ClusterError(f"slurm job {job.id} cannot start: pending ({never}), a request this "
                                    "partition never grants; it was cancelled")
@@ -350,13 +351,13 @@ class RankCluster:
         if not self.options.multi_host or not self.places:
             return label_ranks(lost)
         job = launchers.SlurmJob(self.slurm_job) if self.slurm_job else None
-        return launchers.hosts_text(self.places, lost) + (f" (slurm job {job.id} {job.state()})" if job else "")
+        return launchers.hosts_text(self.places, lost) + (f" (slurm job {job.id} {job.look().state})" if job else "")
 
     def exit_reason(self, rank: int) -> str:
         """How rank's engine ended (see _exit_reason), and its Slurm job's state under --engines slurm."""
         reason = self._exit_reason(rank)
         if self.slurm_job:
-            reason += f"; slurm job {self.slurm_job} {launchers.SlurmJob(self.slurm_job).reason()}"
+            reason += f"; slurm job {self.slurm_job} {launchers.SlurmJob(self.slurm_job).look()}"
         return reason
 
     def _exit_reason(self, rank: int) -> str:

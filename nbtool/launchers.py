@@ -13,6 +13,7 @@ its name (``network``).
 from __future__ import annotations
 
 import os
+import secrets
 import shlex
 import socket
 import subprocess
@@ -220,7 +221,8 @@ def store_path(opts: ClusterOptions, own_dir: str, places: list[Place]) -> str |
     --rendezvous file:DIR), or None for rank 0's TCP store (--rendezvous tcp; the default when the
     engines are on more than one machine and no directory was named)."""
     if opts.rendezvous and opts.rendezvous.startswith("file:"):
-        return os.path.join(opts.rendezvous[5:], f"nbtool-rendezvous-{os.getpid()}-{id(places)}")
+        # a fresh name per start: a restart must not meet the previous world's leftover store file
+        return os.path.join(opts.rendezvous[5:], f"nbtool-rendezvous-{os.getpid()}-{secrets.token_hex(4)}")
     one_machine = len({p.boot_id for p in places}) == 1 and places[0].boot_id == boot_id()
     if opts.rendezvous == "tcp" or not one_machine:
         return None
@@ -238,10 +240,40 @@ def hosts_text(places: list[Place], ranks=None) -> str:
     return "; ".join(f"{label}: rank{'s' if len(r) > 1 else ''} {format_ranks(r)}" for (_, label), r in sorted(by.items()))
 
 
+@dataclass(frozen=True)
+class JobState:
+    """One look at a Slurm job: its JobState and Reason."""
+
+    state: str
+    reason: str = "None"
+    ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
+    # pending reasons that no wait cures: the request exceeds what the partition or the site allows
+    NEVER = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
+             "InvalidQOS", "QOSMaxNodePerJobLimit", "AssocMaxNodesPerJob", "ReqNodeNotAvail")
+
+    @property
+    def pending(self) -> str | None:
+        """``pending (Resources)`` while queued, else None."""
+        if self.state != "PENDING":
+            return None
+        return "pending" + (f" ({self.reason})" if self.reason != "None" else "")
+
+    @property
+    def never(self) -> str | None:
+        """The reason when the job is pending for good (see NEVER), else None."""
+        return self.reason if self.state == "PENDING" and self.reason.startswith(self.NEVER) else None
+
+    @property
+    def gone(self) -> bool:
+        """The job ended (cancelled, failed, preempted ...) or Slurm forgot it."""
+        return self.state not in self.ACTIVE
+
+    def __str__(self) -> str:
+        return self.state + (f" ({self.reason})" if self.reason != "None" else "")
+
+
 class SlurmJob:
     """The engines' Slurm job: its id, state and reason (scontrol, squeue), for progress, faults and stop."""
-
-    ACTIVE = ("PENDING", "CONFIGURING", "RUNNING", "SUSPENDED", "COMPLETING", "RESIZING", "REQUEUED")
 
     def __init__(self, job_id: str):
         self.id = job_id
@@ -254,50 +286,16 @@ class SlurmJob:
                 return cls(str(job))
         return None
 
-    def _info(self) -> dict | None:
-        """JobState and Reason from ``scontrol show job`` (None once Slurm has forgotten the job)."""
+    def look(self) -> "JobState":
+        """The job's state and reason now, from one ``scontrol show job`` ("ended" once Slurm has
+        forgotten it)."""
         try:
             out = subprocess.run(["scontrol", "show", "job", "-o", self.id], capture_output=True, text=True,
                                  timeout=10).stdout
         except (OSError, subprocess.TimeoutExpired):
-            return None
+            return JobState("ended")
         fields = dict(w.split("=", 1) for w in out.split() if "=" in w)
-        return fields if "JobState" in fields else None
-
-    # pending reasons that no wait cures: the request exceeds what the partition or the site allows
-    NEVER = ("PartitionNodeLimit", "PartitionTimeLimit", "PartitionConfig", "BadConstraints", "InvalidAccount",
-             "InvalidQOS", "QOSMaxNodePerJobLimit", "AssocMaxNodesPerJob", "ReqNodeNotAvail")
-
-    def never(self) -> str | None:
-        """The reason when the job is pending for good (see NEVER), else None."""
-        info = self._info()
-        if info and info["JobState"] == "PENDING" and info.get("Reason", "").startswith(self.NEVER):
-            return info["Reason"]
-        return None
-
-    def pending(self) -> str | None:
-        """``pending (Resources)`` while queued, else None."""
-        info = self._info()
-        if info and info["JobState"] == "PENDING":
-            reason = info.get("Reason", "None")
-            return "pending" + (f" ({reason})" if reason != "None" else "")
-        return None
-
-    def state(self) -> str:
-        info = self._info()
-        return info["JobState"] if info else "ended"
-
-    def gone(self) -> bool:
-        """The job ended (cancelled, failed, preempted ...) or Slurm forgot it."""
-        info = self._info()
-        return info is None or info["JobState"] not in self.ACTIVE
-
-    def reason(self) -> str:
-        info = self._info()
-        if not info:
-            return "ended"
-        reason = info.get("Reason", "None")
-        return info["JobState"] + (f" ({reason})" if reason != "None" else "")
+        return JobState(fields["JobState"], fields.get("Reason", "None")) if "JobState" in fields else JobState("ended")
 
     def in_queue(self) -> bool:
         try:

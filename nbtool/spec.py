@@ -476,8 +476,9 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
         raise SpecError(f"--compile with tp({tp}): the tensor-parallel collectives would be traced into the compiled "
                         "graph, where nbtool's recorder does not see them (bytes and times would read low); "
                         "drop --compile, or compile with ddp, fsdp, zero* or pp")
-    if spec.compile and pp > 1 and pipeline_schedule(spec)[0] in ("interleaved-zb", "zbv"):
-        raise SpecError(f"--compile with --schedule {pipeline_schedule(spec)[0]}: the zero-bubble schedules split "
+    schedule = pipeline_schedule(spec)[0]
+    if spec.compile and pp > 1 and schedule in ("interleaved-zb", "zbv"):
+        raise SpecError(f"--compile with --schedule {schedule}: the zero-bubble schedules split "
                         "backward into input and weight gradients, which torch.compile does not support "
                         "(torch's pipelining refuses it); use --schedule interleaved-1f1b or 1f1b")
     if spec.offload is not None:

@@ -1,5 +1,6 @@
 """A real Slurm on this machine for the tests: munged, slurmctld and slurmd from Debian's packages,
-configured in a temporary directory (one node, this host, 2 CPUs), on free loopback ports.
+configured in a temporary directory (one node, this host, 2 CPUs), on free loopback ports; the
+default partition ``debug``, and ``urgent``, whose jobs preempt (cancel) debug's.
 
 ``SlurmSite(dir).open()`` starts them and sets SLURM_CONF so sbatch, squeue and
 scancel (and ipyparallel's launcher, which calls them) use this site;
@@ -66,8 +67,12 @@ class SlurmSite:
             "SelectTypeParameters=CR_Core", "ReturnToService=2", "MpiDefault=none", "SlurmUser=root",
             "SlurmdUser=root", "SchedulerType=sched/builtin", "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none", "MinJobAge=300", "KillWait=5",
+            # a higher-tier partition whose jobs preempt (cancel) the default partition's
+            "PreemptType=preempt/partition_prio", "PreemptMode=CANCEL",
             f"NodeName={host} NodeAddr=127.0.0.1 CPUs=2 RealMemory=4000 State=UNKNOWN",
-            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4", ""]))
+            f"PartitionName=debug Nodes={host} Default=YES MaxTime=INFINITE State=UP OverSubscribe=FORCE:4 "
+            "PriorityTier=1",
+            f"PartitionName=urgent Nodes={host} MaxTime=INFINITE State=UP OverSubscribe=NO PriorityTier=10", ""]))
         os.environ["SLURM_CONF"] = str(self.conf)
         subprocess.run(["slurmctld", "-c"], check=True, capture_output=True, timeout=30)
         subprocess.run(["slurmd"], check=True, capture_output=True, timeout=30)

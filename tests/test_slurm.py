@@ -79,6 +79,39 @@ def test_scancel_mid_cell_is_named_with_the_jobs_state(ip, slurm):
     assert slurm.jobs() == []
 
 
+def test_a_job_preempted_mid_cell_is_named_with_the_jobs_state(ip, slurm):
+    """A job of the higher-tier partition takes the whole node: Slurm cancels the engines' job for it."""
+    ip.run_line_magic("cluster", "start -n 2 --engines slurm --timeout 90")
+    cluster = _cluster(ip)
+    urgent = None
+    try:
+        job = cluster.slurm_job
+
+        def preempt():
+            nonlocal urgent
+            out = subprocess.run(["sbatch", "--parsable", "--partition=urgent", "--exclusive", "--ntasks=2",
+                                  "--output=/dev/null", "--wrap=sleep 300"], capture_output=True, text=True, timeout=10)
+            urgent = out.stdout.strip().split(";")[0] or out.stderr
+
+        threading.Timer(3.0, preempt).start()
+        t0 = time.perf_counter()
+        res = ip.run_cell("%%distributed --quiet\nimport time\nfor _ in range(3000):\n"
+                          "    dist.all_reduce(torch.ones(1)); time.sleep(0.01)")
+        took = time.perf_counter() - t0 - 3.0
+        text = "\n".join(res.error_in_exec._render_traceback_())
+        assert f"slurm job {job} PREEMPTED" in text, (text, urgent)
+        assert took < 30, took
+        assert [r["state"] for r in cluster.status()] == ["lost", "lost"]
+    finally:
+        ip.run_line_magic("cluster", "stop")
+        if urgent and urgent.isdigit():
+            subprocess.run(["scancel", urgent], timeout=10)
+            deadline = time.monotonic() + 30
+            while slurm.jobs() and time.monotonic() < deadline:
+                time.sleep(0.3)
+    assert slurm.jobs() == []
+
+
 def test_a_job_that_never_starts_is_refused_within_timeout_with_slurms_reason(ip, slurm):
     t0 = time.perf_counter()
     with pytest.raises(ClusterError) as info:  # held back an hour: pending (BeginTime) until --timeout
