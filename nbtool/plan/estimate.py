@@ -6,9 +6,10 @@ Sources, per figure:
   (``expected_ledger``: fp32 weights, gradients and Adam state, sharded by
   FSDP; bf16 compute via autocast / MixedPrecisionPolicy); DDP adds its
   gradient buckets (a second copy of the gradients unless
-  ``--grad-as-bucket-view``); FSDP holds gathered bf16 units as buffers
+  ``--grad-as-bucket-view``); FSDP holds gathered units as buffers
   (2 units: the current one and the prefetched one; all of them between
-  forward and backward without resharding). For ZeRO in mixed precision,
+  forward and backward without resharding) plus, in a unit's backward, its
+  unsharded gradients and their reduce-scatter input. For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
@@ -64,7 +65,7 @@ from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
 from .inputs import Hardware, ModelShape, Training, format_gb
-from .model_states import PERSISTENCE_THRESHOLD, expected_ledger
+from .model_states import OPTIMIZER_STATE_BYTES, PERSISTENCE_THRESHOLD, expected_ledger
 
 MFU = 0.4
 RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
@@ -212,7 +213,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     stage3_max_live_parameters (DeepSpeed's defaults); ``compress``: DDP's gradient bytes after a
     compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus); ``shard``: fsdp's
     shard group under hybrid sharding (--dp-shard; the rest replicate it), default every device;
-    ``whole``: elements fsdp keeps whole on every device (--replicate); ``schedule``, ``virtual``: the
+    ``whole``: elements fsdp keeps whole on every device (--replicate), or that tensor parallelism leaves
+    whole on every tp rank (embeddings, norms: the run's tp_replicated_elements); ``schedule``, ``virtual``: the
     pipeline schedule and its stages per rank (the bubble, and the sends of rank 0)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
@@ -221,6 +223,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     psi = m.params
     mixed = t.precision in ("bf16", "fp16")
     adam = t.optimizer in ("adam", "adamw")
+    ledger_optimizer = "adam" if adam else t.optimizer  # expected_ledger's names
     numels = list(m.numels) or [psi]
     largest = m.largest_layer or 0
     frac = (n - 1) / n if n > 1 else 0.0
@@ -237,8 +240,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     collectives = 0.0
 
     if layout.mesh:
-        shard = psi / (tp * pp)
-        e.device.update(params=4 * shard, grads=4 * shard, optimizer=(8 if adam else 0) * shard)
+        shard = (psi - whole) / (tp * pp) + whole / pp  # ``whole``: what tp leaves whole on every tp rank
+        # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own)
+        e.device.update(params=4 * shard, grads=4 * shard,
+                        optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + (4 * len(numels) / pp if adam else 0))
         bus_dp = 2 * frac * shard * 4
         if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden
@@ -274,7 +279,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     shard = shard or n  # fsdp's shard group (hybrid sharding: smaller than n)
     if ledger_based:
         led = expected_ledger(layout.strategy, t.precision, numels, shard if layout.is_fsdp else n,
-                              optimizer="adam" if adam else "sgd", persistence_threshold=persistence_threshold,
+                              optimizer=ledger_optimizer, persistence_threshold=persistence_threshold,
                               whole=whole)
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
@@ -293,12 +298,15 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # gathers and reduce-scatters within the shard group; under HSDP the gradient shards are then
         # all-reduced across the replicas; modules kept whole all-reduce their gradients over every device
         bus = 2 * (replicas - 1) / replicas * g * sharded / shard + 2 * frac * g * whole
+        # in a unit's backward FSDP2 also holds its unsharded gradients (param dtype) and their copy
+        # into the reduce-scatter input (reduce dtype): measured on CPU ranks, 2 units were 20-50% short
+        staging = (w + g) * unit
         if not layout.reshard:
-            e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
+            e.device["buffers"] = w * psi + staging  # every unit stays gathered from forward to backward
             bus += within * sharded * (w + g)
             collectives = 2 * (m.layers or 1)
         else:
-            e.device["buffers"] = 2 * w * unit
+            e.device["buffers"] = 2 * w * unit + staging  # the current unit and the prefetched one
             bus += within * sharded * (2 * w + g)
             collectives = 3 * (m.layers or 1)
     else:  # DeepSpeed ZeRO

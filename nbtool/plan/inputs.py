@@ -126,7 +126,7 @@ class Training:
     micro_batch: int = 1
     seq: int | None = None  # default: the model's
     precision: str = "bf16"  # fp32 | bf16 | fp16 (mixed precision for the latter two)
-    optimizer: str = "adamw"  # adam | adamw | sgd
+    optimizer: str = "adamw"  # adam | adamw | sgd | sgd-momentum
     grad_accum: int = 1
     checkpointing: str = "none"  # none | selective | full
     # fused attention (FlashAttention / torch SDPA) saves no s x s score matrices:

@@ -52,23 +52,28 @@ def paper_bytes(stage: int, psi: int, nd: int, k: int = 12) -> dict:
 PERSISTENCE_THRESHOLD = 100_000
 
 
+# fp32 optimizer state per parameter element
+OPTIMIZER_STATE_BYTES = {"adam": 8, "sgd-momentum": 4, "sgd": 0}
+
+
 def expected_ledger(strategy: str, precision: str, numels: list[int], nd: int, *,
                     offload: str | None = None, persistence_threshold: int = PERSISTENCE_THRESHOLD,
                     optimizer: str = "adam", whole: int = 0) -> dict:
     """Bytes per rank by ledger category for ``strategy`` on parameters of sizes ``numels``.
 
     ``optimizer``: "adam" (exp_avg + exp_avg_sq: 8 bytes per element, plus a
-    step scalar per tensor the optimizer holds) or "sgd" (no state); ``whole``:
+    step scalar per tensor the optimizer holds), "sgd-momentum" (a momentum
+    buffer: 4 bytes per element) or "sgd" (no state); ``whole``:
     elements of those parameters fsdp keeps whole on every rank (--replicate).
     """
     psi = sum(numels)
     w = DTYPE_BYTES[precision]
-    state_per_elem = 8 if optimizer == "adam" else 0
+    state_per_elem = OPTIMIZER_STATE_BYTES[optimizer]
     out = dict(params=0, grads=0, master_params=0, optimizer_state=0, other=0)
     if strategy in ("ddp", "fsdp"):
         shard = psi if strategy == "ddp" else sum(n / nd for n in numels) + whole * (1 - 1 / nd)
         out.update(params=4 * shard, grads=4 * shard, optimizer_state=state_per_elem * shard)
-        if state_per_elem:
+        if optimizer == "adam":
             out["other"] = 4 * len(numels)  # one fp32 step counter per parameter tensor
         return out
     if strategy in ("zero1", "zero2"):
@@ -87,7 +92,7 @@ def expected_ledger(strategy: str, precision: str, numels: list[int], nd: int, *
                    optimizer_state=state_per_elem * part)
     else:
         raise ValueError(f"unknown strategy {strategy!r}")
-    if state_per_elem:
+    if optimizer == "adam":
         out["other"] = 4  # one flat fp32 partition per param group -> one step counter
     return out
 

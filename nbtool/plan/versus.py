@@ -148,9 +148,18 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     if pp > 1:
         micro = max(1, micro // accum)  # the batch is split into micro-batches
     training = Training(micro_batch=micro, seq=batch.get("seq"), precision=desc.precision,
-                        optimizer="adamw" if ledger["optimizer_state"] else "sgd", grad_accum=accum,
+                        optimizer=_optimizer_of(ledger), grad_accum=accum,
                         checkpointing="full" if spec.activation_checkpointing is not None else "none")
     return layout, shape, training, tp, pp
+
+
+def _optimizer_of(ledger: dict) -> str:
+    """Adam (2 fp32 moments per element) or SGD with momentum (1) or plain SGD, from the state the
+    ledger holds per fp32 element (the master copy where there is one, else the weights)."""
+    if not ledger["optimizer_state"]:
+        return "sgd"
+    per = ledger["master_params"] or ledger["params"]
+    return "sgd-momentum" if per and ledger["optimizer_state"] / per < 1.5 else "adamw"
 
 
 def compress_factor(run) -> float:
@@ -183,9 +192,12 @@ def layout_options(run) -> dict:
     spec = spec_of(run)
     schedule, virtual = pipeline_schedule(spec)
     out = {"schedule": schedule, "virtual": virtual}
+    details = run.description.details
     if run.strategy == "fsdp" and run.description.dims is None:
         dims = hsdp_dims(spec, run.world_size)
-        out.update(shard=dims[1] if dims else None, whole=int(run.description.details.get("replicated_elements", 0)))
+        out.update(shard=dims[1] if dims else None, whole=int(details.get("replicated_elements", 0)))
+    elif run.description.dims is not None and run.description.dims[2] == 1:  # tp without pp: exact
+        out["whole"] = int(details.get("tp_replicated_elements", 0))
     return out
 
 
@@ -267,15 +279,16 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}
     predicted_states = sum(e.device.get(k, 0) for k in ("params", "grads", "optimizer"))
     mesh = layout.startswith(("tp", "pp"))
+    tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
     # the ledger theory is exact where the planner uses it; ZeRO in mixed precision with Adam uses
     # DeepSpeed's own estimator instead (see nbtool.plan.estimate)
     ledger_based = not mesh and (not run.strategy.startswith("zero") or training.precision == "fp32"
-                                 or training.optimizer == "sgd")
+                                 or not training.optimizer.startswith("adam"))
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
                     "ledger (bytes of the tensors each rank owns), max rank",
-                    TOLERANCE["model states"] if ledger_based else None,
-                    "the planner splits every parameter over tp x pp; embeddings, norms and biases stay whole"
-                    if mesh else "" if ledger_based else "DeepSpeed's estimator, not the ledger theory"))
+                    TOLERANCE["model states"] if ledger_based or tp_exact else None,
+                    "" if tp_exact else "the planner splits every parameter over tp x pp; embeddings, norms and "
+                    "biases stay whole" if mesh else "" if ledger_based else "DeepSpeed's estimator, not the ledger theory"))
     if len(set(states.values())) > 1:  # ranks differ (pipeline stages, uneven shards): each one's
         rows += [Row(f"  model states, rank {r}", b, predicted_states, "B", "ledger") for r, b in sorted(states.items())]
     by_op = ", ".join(f"{op} {format_bytes(b)}" for op, b in summary["comm_bytes_per_step"].items() if b)

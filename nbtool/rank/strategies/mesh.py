@@ -356,6 +356,15 @@ class MeshStrategy(Strategy):
             parts.append(f"gradients averaged over dp({self.dp})")
         d["wrapper"] = " + ".join(parts)
         d["sharding"] = f"dp({self.dp}) x tp({self.tp}) x pp({self.pp})"
+        if self.tp > 1 and self._plain is not None:  # what the plan leaves whole (embeddings, norms): the planner's
+            from torch.distributed.tensor import DTensor, Shard
+
+            def split(p):
+                return isinstance(p, DTensor) and any(
+                    isinstance(pl, Shard) and p.device_mesh.mesh_dim_names[i] == "tp" for i, pl in enumerate(p.placements))
+
+            unique = {id(p): p for p in self._plain.parameters()}.values()
+            d["tp_replicated_elements"] = sum(p.numel() for p in unique if not split(p))
         c = self.coords
         d["mesh"] = (f"DeviceMesh ('pp', 'dp', 'tp') = ({self.pp}, {self.dp}, {self.tp}); this rank is "
                      f"pp {c['pp']}, dp {c['dp']}, tp {c['tp']}")
