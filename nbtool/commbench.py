@@ -53,9 +53,6 @@ def size_sweep(spec: str, factor: float) -> list[int]:
     return sorted(set(sizes))
 
 
-LINKS = ("intra-host", "inter-host")
-
-
 def link_groups(nodes: list[int]) -> dict[str, tuple[int, ...]]:
     """The ranks that measure each link apart, from each rank's node: intra-host is the first node
     holding two or more ranks (their traffic never leaves it); inter-host is the first rank of every
@@ -63,13 +60,11 @@ def link_groups(nodes: list[int]) -> dict[str, tuple[int, ...]]:
     by: dict = {}
     for rank, node in enumerate(nodes):
         by.setdefault(node, []).append(rank)
-    groups = {}
-    intra = next((r for _, r in sorted(by.items()) if len(r) >= 2), None)
-    if intra and len(by) > 1:
-        groups["intra-host"] = tuple(intra)
-    if len(by) > 1:
-        groups["inter-host"] = tuple(r[0] for _, r in sorted(by.items()))
-    return groups
+    if len(by) < 2:
+        return {}
+    hosts = [r for _, r in sorted(by.items())]
+    intra = next((r for r in hosts if len(r) >= 2), None)
+    return {**({"intra-host": tuple(intra)} if intra else {}), "inter-host": tuple(r[0] for r in hosts)}
 
 
 def element_count(op: str, size_bytes: int, n: int, elem: int) -> int:
@@ -121,7 +116,7 @@ class CommbenchResult:
     inplace: bool
     label: str = ""
     repeat: int = 1
-    link: str = ""  # "intra-host" or "inter-host" when the ranks were chosen to measure one link (LINKS)
+    link: str = ""  # "intra-host" or "inter-host" when the ranks were chosen to measure one link (link_groups)
     rows: list = field(default_factory=list)  # one dict per (op, size)
     fits: dict = field(default_factory=dict)  # op -> Fit
 
@@ -153,6 +148,11 @@ class CommbenchResult:
     @property
     def wrong(self) -> int:
         return sum(r["wrong"] for r in self.rows)
+
+    @property
+    def parts(self) -> list:
+        """The sweeps this result holds: itself (CommbenchLinks holds several)."""
+        return [self]
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -225,6 +225,10 @@ class CommbenchLinks:
     inter-host, ``link_groups``). ``.fits`` are the whole world's; ``part(link)`` one link's result."""
 
     results: list  # CommbenchResult: the world first, then one per link measured
+
+    @property
+    def parts(self) -> list:
+        return self.results
 
     def part(self, link: str):
         return next((r for r in self.results if r.link == link), None)

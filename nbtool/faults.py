@@ -276,8 +276,8 @@ def release(cluster, children, late: list[int], progress, unresponsive: list[int
         # fresh engines need every host, and a lost one may be cut off (a restart would wait out
         # --timeout on it): stop only the blocked engines, through their own hosts' nannies
         hosts = cluster.lost_text()
-        progress(f"{label_ranks(stuck)} still blocked with the lost host's ranks: stopping {'its' if len(stuck) == 1 else 'their'} "
-                 "engine(s) ...")
+        progress(f"{label_ranks(stuck)} still blocked with the lost host's ranks: stopping "
+                 f"{'its' if len(stuck) == 1 else 'their'} engine(s) ...")
         cluster.signal(stuck, "SIGKILL")
         wait(RELEASE_GRACE_S)
         return Release(stopped, [], idle, False, killed=stuck, lost_hosts=hosts)

@@ -19,6 +19,7 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
     from ..commbench import CommbenchLinks, link_groups
 
     everyone = list(range(cluster.world_size))
+    prepare_cell(cluster, everyone, None, collectives=True)  # once: every sweep runs on every rank
     groups = link_groups([p.node_rank for p in cluster.places]) if ranks is None and cluster.places else {}
     if not groups:
         result = _sweep(cluster, ops, sizes, dtype, iters, warmup, ranks or everyone, inplace, in_kernel, label,
@@ -45,7 +46,6 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
     from ..rank import commbench as rank_bench
 
     everyone = list(range(cluster.world_size))
-    prepare_cell(cluster, everyone, None, collectives=True)
     n = len(ranks)
     counts = {op: sorted({element_count(op, s, n, DTYPES[dtype]) for s in sizes}) for op in ops}
     plot = plot_id = None

@@ -122,7 +122,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
             measured.append(f"{cal.name} from run {name!r}")
         if state.commbench is not None and "all_reduce" in state.commbench.fits:
             hw = hw.with_commbench(state.commbench)
-            links = [r.link for r in getattr(state.commbench, "results", []) if r.link]
+            links = [r.link for r in state.commbench.parts if r.link]
             measured.append(f"{' and '.join(links) + ' links' if links else 'link'} from the last %commbench "
                             "all_reduce fit")
         if measured and req.text:

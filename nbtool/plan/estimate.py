@@ -242,8 +242,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     if layout.mesh:
         shard = (psi - whole) / (tp * pp) + whole / pp  # ``whole``: what tp leaves whole on every tp rank
         # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own)
-        e.device.update(params=4 * shard, grads=4 * shard,
-                        optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + (4 * len(numels) / pp if adam else 0))
+        steps = 4 * len(numels) / pp if adam else 0
+        e.device.update(params=4 * shard, grads=4 * shard, optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + steps)
         bus_dp = 2 * frac * shard * 4
         if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden

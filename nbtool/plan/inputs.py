@@ -166,7 +166,7 @@ class Hardware:
         """Use %commbench all_reduce fits (alpha, bus B) for the links they measured: each link's
         own part of a sweep across hosts (CommbenchLinks), else the one result's link, else the
         intra-node link when its ranks fit in a node."""
-        parts = [r for r in getattr(result, "results", [result]) if "all_reduce" in r.fits]
+        parts = [r for r in result.parts if "all_reduce" in r.fits]
         if not parts:
             raise ValueError("the commbench result has no all_reduce fit; run %commbench all_reduce over several sizes")
         if any(r.link for r in parts):

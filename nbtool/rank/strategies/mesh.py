@@ -220,7 +220,7 @@ class MeshStrategy(Strategy):
         stages' sums are added over pp (torchtitan's pipeline clip). A weight tied across stages
         is counted on the stage holding its first name only.
         """
-        from torch.distributed.tensor import DTensor, Shard
+        from torch.distributed.tensor import DTensor
 
         here: dict = {}  # id -> (parameter, its names on this stage)
         for n, p in self._plain.named_parameters(remove_duplicate=False):
@@ -231,10 +231,8 @@ class MeshStrategy(Strategy):
             first in names for tie, first in zip(ties, firsts) if tie & names)]
         sums: dict = {}  # mesh dims a gradient is sharded on -> sum of squares of this rank's parts
         for g in grads:
-            key = ()
+            key = _sharded_on(g)
             if isinstance(g, DTensor):
-                names = g.device_mesh.mesh_dim_names
-                key = tuple(names[i] for i, pl in enumerate(g.placements) if isinstance(pl, Shard))
                 g = g.to_local()
             sums[key] = sums.get(key, 0.0) + g.detach().float().pow(2).sum()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
@@ -356,15 +354,8 @@ class MeshStrategy(Strategy):
             parts.append(f"gradients averaged over dp({self.dp})")
         d["wrapper"] = " + ".join(parts)
         d["sharding"] = f"dp({self.dp}) x tp({self.tp}) x pp({self.pp})"
-        if self.tp > 1 and self._plain is not None:  # what the plan leaves whole (embeddings, norms): the planner's
-            from torch.distributed.tensor import DTensor, Shard
-
-            def split(p):
-                return isinstance(p, DTensor) and any(
-                    isinstance(pl, Shard) and p.device_mesh.mesh_dim_names[i] == "tp" for i, pl in enumerate(p.placements))
-
-            unique = {id(p): p for p in self._plain.parameters()}.values()
-            d["tp_replicated_elements"] = sum(p.numel() for p in unique if not split(p))
+        if self.tp > 1 and self._plain is not None:  # what the plan leaves whole (embeddings, norms), for the planner
+            d["tp_replicated_elements"] = sum(p.numel() for p in self._plain.parameters() if "tp" not in _sharded_on(p))
         c = self.coords
         d["mesh"] = (f"DeviceMesh ('pp', 'dp', 'tp') = ({self.pp}, {self.dp}, {self.tp}); this rank is "
                      f"pp {c['pp']}, dp {c['dp']}, tp {c['tp']}")
@@ -411,3 +402,13 @@ def style_text(style) -> str:
     if hasattr(style, "output_layouts"):
         return f"{name}({layouts(style.output_layouts)} -> {layouts(style.desired_output_layouts)})"
     return name
+
+
+def _sharded_on(t) -> tuple[str, ...]:
+    """The mesh dimensions a tensor is split on (Shard placements of a DTensor; none for a plain tensor)."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(t, DTensor):
+        return ()
+    names = t.device_mesh.mesh_dim_names
+    return tuple(names[i] for i, pl in enumerate(t.placements) if isinstance(pl, Shard))
