@@ -192,22 +192,24 @@ def test_launcher_options_refused_with_the_reason(ip, parked, line, message):
         ip.magics_manager.registry["NbtoolMagics"].rank_cluster.running  # nothing started, nothing lost
 
 
-def test_rendezvous_directory_that_is_not_writable():
-    """As a user who cannot write there (root writes anywhere, so the check runs as nobody)."""
-    import tempfile
+def test_rendezvous_directory_that_is_not_writable(tmp_path):
+    """Root writes anywhere a mode allows, so as root the directory is a read-only bind mount (no user
+    switch: a clone in a 0700 directory is out of another user's reach); else mode 0555."""
+    from nbtool.options import parse_rendezvous
 
-    locked = Path(tempfile.mkdtemp(prefix="nbtool-locked-"))  # in /tmp: nobody can reach, not write
-    os.chmod(locked, 0o755)
-    code = ("from nbtool.options import parse_rendezvous\n"
-            f"try:\n    parse_rendezvous('file:{locked}')\nexcept Exception as e:\n    print(e)")
-    cmd = [sys.executable, "-c", code]
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    mounted = False
     if os.geteuid() == 0:
-        if shutil.which("setpriv") is None:
-            pytest.skip("running as root without setpriv: no unprivileged user to check with")
-        cmd = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", *cmd]
+        subprocess.run(["mount", "--bind", str(locked), str(locked)], check=True, timeout=20)
+        mounted = True
+        subprocess.run(["mount", "-o", "remount,bind,ro", str(locked)], check=True, timeout=20)
+    else:
+        os.chmod(locked, 0o555)
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=60, cwd=ROOT,
-                             env=dict(os.environ, PYTHONPATH=str(ROOT))).stdout
+        with pytest.raises(UsageError, match=re.escape(f"--rendezvous 'file:{locked}': {locked} is not writable by this user")):
+            parse_rendezvous(f"file:{locked}")
     finally:
-        locked.rmdir()
-    assert f"--rendezvous 'file:{locked}': {locked} is not writable by this user" in out, out
+        if mounted:
+            subprocess.run(["umount", str(locked)], timeout=20)
+        os.chmod(locked, 0o755)
