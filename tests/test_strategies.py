@@ -453,6 +453,33 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
         ip.run_cell_magic("distributed", "ddp --memory-timeline --no-metrics", "pass")
 
 
+LOSE_NONE_REFERENCES = """
+import ctypes, sys
+from nbtool.rank.bootstrap import NONE_PIN
+if sys.version_info < (3, 12):  # 3.12+: immortal already, its count is not ours to change
+    _count = ctypes.c_ssize_t.from_address(id(None))
+    _count.value -= {lost}  # as C code that returns None without taking a reference does
+    _many = [None] * 2_000_000
+    del _many  # unpinned, None's count passes zero on the way down: "Fatal Python error: none_dealloc"
+    _count.value += {lost}
+_pinned = sys.getrefcount(None) >= NONE_PIN
+"""
+
+
+def test_engines_outlive_c_code_that_loses_references_to_none(ranks):
+    """torch 2.13's profiler loses about 13k references to None per fsdp --memory-timeline cell on 2
+    ranks; before Python 3.12 None's count then reached zero after ~9 such cells and both engines
+    aborted together. The engines pin None (bootstrap.pin_none): losing ten times that many leaves
+    them alive, and the next cell runs."""
+    import nbtool
+
+    view = nbtool.current_cluster().view([0, 1])
+    view.execute(LOSE_NONE_REFERENCES.format(lost=10 * 9 * 13_000), block=True)
+    assert view.pull("_pinned", block=True) == [True, True]
+    ranks.run_cell("%%distributed ddp --quiet\nx = torch.ones(1)").raise_error()
+    assert not nbtool.current_cluster().lost_ranks()
+
+
 def test_ddp_fp16_gradient_compression_halves_the_bytes(ranks):
     """--compress fp16: the recorder sees the compressed all-reduces, 2 bytes per gradient element
     instead of 4, exactly; the planner predicts them; the loss follows plain DDP's closely."""
