@@ -318,3 +318,23 @@ def test_predicted_peak_with_activations_close_to_measured(ip, cluster, s, b, h,
     predicted = _model_states(e) + e.device["activations"]
     measured = led.params + led.grads + led.master_params + led.optimizer_state + led.other + got["saved"]
     assert 0.75 <= measured / predicted <= 1.5
+
+
+def test_link_seconds_take_out_the_queue_and_the_last_rank_to_issue():
+    """DDP's buckets are in flight together: the second one's issue-to-completion time also holds the
+    first one's time on the link, and a collective cannot start before its last rank issues it.
+    link_seconds counts each from the later of both to its end, as the link fit needs."""
+    from nbtool.metrics import CommRecord, RunRecords
+    from nbtool.plan.versus import link_seconds
+
+    def rec(rank, seq, size, t, seconds):
+        return CommRecord(rank, seq, "all_reduce", size, size, 2, "float32", t, seconds, "wall", 0, asynchronous=True)
+
+    run = RunRecords("r", "ddp", 2, 0.0)
+    run.comms = [rec(0, 1, 1000, 10.0, 0.003), rec(0, 2, 2000, 10.0, 0.008),  # both issued at once on rank 0
+                 rec(1, 1, 1000, 10.001, 0.002), rec(1, 2, 2000, 10.0, 0.008),  # rank 1 issues the first 1 ms late
+                 rec(0, 3, 500, 10.020, 0.001)]  # later, alone on the link
+    times = link_seconds(run)
+    assert times[1000] == [pytest.approx(0.002)]  # from rank 1's issue at 10.001 to 10.003
+    assert times[2000] == [pytest.approx(0.005)]  # from the first one's end at 10.003 to 10.008
+    assert times[500] == [pytest.approx(0.001)]  # nothing ahead of it: its own time
