@@ -338,3 +338,17 @@ def test_link_seconds_take_out_the_queue_and_the_last_rank_to_issue():
     assert times[1000] == [pytest.approx(0.002)]  # from rank 1's issue at 10.001 to 10.003
     assert times[2000] == [pytest.approx(0.005)]  # from the first one's end at 10.003 to 10.008
     assert times[500] == [pytest.approx(0.001)]  # nothing ahead of it: its own time
+
+
+def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parallelism():
+    """Korthikanti's table 2: t-way tp keeps s b h (10 + 24/t) per layer (16-bit, fused attention),
+    with sequence parallelism s b h 34 / t; a run without --sp is predicted without it."""
+    m = ModelShape(10**6, layers=4, hidden=128, heads=4, vocab=256, seq=32)
+    t = Training(micro_batch=8, seq=32, precision="bf16")
+    hw = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    sbh = 32 * 8 * 128
+    head = 32 * 8 * 256 * 6 / 2
+    with_sp = estimate("tp", m, t, hw, tp=2).device["activations"]
+    without = estimate("tp", m, t, hw, tp=2, sp=False).device["activations"]
+    assert with_sp == pytest.approx(4 * sbh * 34 / 2 + head)
+    assert without == pytest.approx(4 * sbh * (10 + 24 / 2) + head)

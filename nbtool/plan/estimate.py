@@ -207,7 +207,7 @@ def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> f
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
-             schedule: str = "1f1b", virtual: int = 1) -> Estimate:
+             schedule: str = "1f1b", virtual: int = 1, sp: bool = True) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``compress``: DDP's gradient bytes after a
@@ -215,7 +215,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     shard group under hybrid sharding (--dp-shard; the rest replicate it), default every device;
     ``whole``: elements fsdp keeps whole on every device (--replicate), or that tensor parallelism leaves
     whole on every tp rank (embeddings, norms: the run's tp_replicated_elements); ``schedule``, ``virtual``: the
-    pipeline schedule and its stages per rank (the bubble, and the sends of rank 0)."""
+    pipeline schedule and its stages per rank (the bubble, and the sends of rank 0); ``sp``: sequence
+    parallelism with tp (the layouts the planner recommends use it; a run says whether it did)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -227,7 +228,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     numels = list(m.numels) or [psi]
     largest = m.largest_layer or 0
     frac = (n - 1) / n if n > 1 else 0.0
-    act = activations(m, t, tp, pp)
+    act = activations(m, t, tp, pp, sp)
     e.device["activations"] = act
     seq = t.seq or m.seq
     if seq is None:

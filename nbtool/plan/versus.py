@@ -185,8 +185,8 @@ def compress_factor(run) -> float:
 
 
 def layout_options(run) -> dict:
-    """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate) and pipeline
-    schedule (--schedule, --virtual-stages)."""
+    """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate), pipeline
+    schedule (--schedule, --virtual-stages) and sequence parallelism (--sp)."""
     from ..spec import hsdp_dims, pipeline_schedule
 
     spec = spec_of(run)
@@ -198,6 +198,8 @@ def layout_options(run) -> dict:
         out.update(shard=dims[1] if dims else None, whole=int(details.get("replicated_elements", 0)))
     elif run.description.dims is not None and run.description.dims[2] == 1:  # tp without pp: exact
         out["whole"] = int(details.get("tp_replicated_elements", 0))
+    if run.description.dims is not None:
+        out["sp"] = bool(spec.sp)
     return out
 
 
