@@ -60,9 +60,9 @@ def median_cell(ip, cell: str, reps: int) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=300)
     ap.add_argument("--starts", type=int, default=5, help="paired cluster starts (>= 5)")
-    ap.add_argument("--pairs", type=int, default=5, help="paired batches of dispatch cells (>= 5)")
+    ap.add_argument("--pairs", type=int, default=15, help="paired batches of dispatch cells (>= 5)")
     a = ap.parse_args()
     ip = shell()
 
