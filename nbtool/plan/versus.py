@@ -235,6 +235,7 @@ def link_seconds(run, rank: int = 0) -> dict:
         end = c.t_issue + c.seconds
         start = max(last_issue[c.seq, c.op], busy_until.get(c.group_size, c.t_issue))
         busy_until[c.group_size] = max(busy_until.get(c.group_size, end), end)
+        # ended before the one ahead of it did (gloo's worker threads ran both at once): its own time
         out.setdefault(c.bus_bytes, []).append(end - start if end > start else c.seconds)
     return out
 
