@@ -7,6 +7,7 @@ life. Nothing here parses magic lines or draws anything: callers pass a
 """
 from __future__ import annotations
 
+import contextlib
 import enum
 import logging
 import os
@@ -99,12 +100,16 @@ class RankCluster:
         """Start engines and make them a process group; raises ClusterError."""
         layout = resolve_layout(options, visible_gpu_count())
         self = cls(options, layout)
+        self._start_or_stop(progress)
+        return self
+
+    def _start_or_stop(self, progress: Progress) -> None:
+        """Start, or leave nothing running when starting fails."""
         try:
             self._start(progress)
         except BaseException:
             self.stop()
             raise
-        return self
 
     def _start(self, progress: Progress) -> None:
         t0 = time.perf_counter()
@@ -173,11 +178,9 @@ class RankCluster:
         progress(f"engines connected: {n}/{n}; initialising process group ({self.layout.backend}) ...")
         self._init_process_group(deadline)
         self.started_s = time.perf_counter() - t0
-        progress(
-            f"ready: {n} rank(s), backend {self.layout.backend}, "
-            f"{'GPUs ' + ','.join(map(str, self.layout.gpus)) if self.layout.gpus else 'CPU'} "
-            f"({self.started_s:.1f} s)"
-        )
+        progress(f"ready: {n} rank(s), backend {self.layout.backend}, "
+                 f"{'GPUs ' + ','.join(map(str, self.layout.gpus)) if self.layout.gpus else 'CPU'} "
+                 f"({self.started_s:.1f} s)")
 
     def _place_ranks(self, engine_ids: list[int]) -> tuple[list[int], list[launchers.Place]]:
         """Engines in rank order (by host, then the launcher's own order) and where each runs."""
@@ -250,10 +253,8 @@ class RankCluster:
         except ipp.error.RemoteError as e:
             raise ClusterError(f"{what} {directory}: rank 0 cannot write there: {e.evalue}") from None
         finally:
-            try:
+            with contextlib.suppress(Exception):
                 self.view([0]).apply_async(bootstrap.shared_probe, directory, token, None).get(timeout=30)
-            except Exception:
-                pass
         blind = [r for r, ok in enumerate(seen) if not ok]
         if blind:
             raise ClusterError(f"{what} {directory}: not shared with every host; "
@@ -263,11 +264,7 @@ class RankCluster:
     def restart(self, progress: Progress = lambda m: None) -> None:
         """Fresh engines and process group with the same options, in this object."""
         self.stop()
-        try:
-            self._start(progress)
-        except BaseException:
-            self.stop()
-            raise
+        self._start_or_stop(progress)
 
     def stop(self) -> None:
         """Stop engines and controller; safe to call twice."""
@@ -278,28 +275,22 @@ class RankCluster:
             shutil.rmtree(self._store_dir, ignore_errors=True)
             self._store_dir = None
         if client is not None:
-            try:
+            with contextlib.suppress(Exception):
                 client.close()
-            except Exception:
-                pass
         if cluster is not None:
             # the controller and its scheduler processes, to be sure none outlives a failed start
             tree = _process_tree(getattr(cluster.controller, "process", None))
             # engines and controller apart: a launcher that fails to stop (an ssh host gone) must not
             # leave the controller running
             for stop in (cluster.stop_engines_sync, cluster.stop_controller_sync):
-                try:
+                with contextlib.suppress(Exception):
                     stop()
-                except Exception:
-                    pass
-            job, self._job = getattr(self, "_job", None), None
+            job, self._job = self._job, None
             if job is not None:  # scancel'd by the launcher: return once Slurm has let go of it
                 job.wait_gone()
             if self.options.engines == "slurm":
-                try:
+                with contextlib.suppress(OSError):
                     os.unlink(launchers.batch_file())
-                except OSError:
-                    pass
             # stop_cluster signals the processes; wait so none outlives the call
             for launcher in [cluster.controller, *cluster.engines.values()]:
                 _wait_launcher(launcher)
@@ -307,10 +298,8 @@ class RankCluster:
             cluster.engines.clear()
             cluster.controller = None
             for p in tree:  # what stop_controller left (seen after a start sbatch refused)
-                try:
+                with contextlib.suppress(Exception):
                     p.kill()
-                except Exception:
-                    pass
 
     @property
     def running(self) -> bool:
@@ -413,11 +402,8 @@ class RankCluster:
         """
         self.group_closed = GroupClosed(GroupClosed.RELEASED, reason)
         for r in ranks:
-            try:
-                fds = self.peer_sockets(r)
-                self.view([r]).apply_async(bootstrap.close_process_group, fds).get(timeout=timeout)
-            except Exception:
-                pass
+            with contextlib.suppress(Exception):
+                self.view([r]).apply_async(bootstrap.close_process_group, self.peer_sockets(r)).get(timeout=timeout)
 
     def peer_sockets(self, rank: int) -> list[int]:
         """File descriptors of rank's TCP connections whose other end is another rank's process."""
@@ -498,17 +484,12 @@ def _tail(path: str | None, nbytes: int = 4096) -> str:
 
 
 def _wait_launcher(launcher, timeout: float = 10.0) -> None:
-    proc = getattr(launcher, "process", None) if launcher is not None else None
-    procs = [proc] if proc is not None else []
-    for sub in getattr(launcher, "launchers", {}).values():
-        if getattr(sub, "process", None) is not None:
-            procs.append(sub.process)
+    # a launcher's own process, and those of the launchers it holds (an engine set's)
+    procs = [getattr(x, "process", None) for x in (launcher, *getattr(launcher, "launchers", {}).values())]
     deadline = time.perf_counter() + timeout
-    for p in procs:
+    for p in filter(None, procs):
         try:
             p.wait(timeout=max(0.1, deadline - time.perf_counter()))
         except Exception:
-            try:
+            with contextlib.suppress(Exception):
                 p.kill()
-            except Exception:
-                pass

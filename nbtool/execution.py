@@ -9,9 +9,6 @@ from __future__ import annotations
 import enum
 import sys
 import time
-from dataclasses import dataclass
-
-import ipyparallel as ipp
 
 from . import faults
 from .cluster import GroupClosed, RankCluster
@@ -83,24 +80,8 @@ def _headline(ranks: list[int], err) -> str:
     return f"{label_ranks(ranks)}: {name}: {value}"
 
 
-@dataclass
-class CellResult:
-    ranks: list[int]
-    elapsed_s: float
-    async_result: ipp.AsyncResult
-
-
-def run_cell(
-    cluster: RankCluster,
-    code: str,
-    ranks: list[int],
-    *,
-    in_kernel: bool,
-    timeout: float | None = None,
-    quiet: bool = False,
-    on_tick=None,
-    progress=None,
-) -> CellResult:
+def run_cell(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool, timeout: float | None = None,
+             quiet: bool = False, on_tick=None, progress=None) -> None:
     """Execute ``code`` on ``ranks`` and block until every one is done.
 
     Raises RankError (some rank raised or died; the others were stopped
@@ -165,12 +146,12 @@ def run_cell(
             what += "; " + released.note()
         raise RanksUnresponsive(what + f"; %cluster restart brings back {cluster.world_size} fresh rank(s)")
     if late:
-        outputs = {r: t for r, t in zip(ranks, texts())}
+        outputs = texts()  # what the ranks printed before a restart loses them
         released = faults.release(cluster, children, late, progress)
         if not released.restarted:
             ar.wait_for_output(1.0)
-            outputs = {r: t for r, t in zip(ranks, texts())}
-        out.finish([outputs[r] for r in ranks])
+            outputs = texts()
+        out.finish(outputs)
         if stop_reason is not Stop.FAILURE:
             what = (f"cell exceeded --timeout {timeout:g}s; {label_ranks(late)} had not finished"
                     if stop_reason is Stop.TIMEOUT else f"interrupted {label_ranks(late)}")
@@ -193,7 +174,6 @@ def run_cell(
         raise RankError(errors, notes)
     if released is not None and released.restarted:
         raise RankError([(late, faults.RankFailure("RanksRestarted", released.note()))])
-    return CellResult(ranks, time.perf_counter() - t0, ar)
 
 
 def _show_rich_outputs(children, rank: int) -> None:
@@ -203,11 +183,8 @@ def _show_rich_outputs(children, rank: int) -> None:
     shell = get_ipython()
     if shell is None:
         return
-    for r, f in children:
-        if r != rank:
-            continue
-        for content in f.output.metadata.get("outputs", []):
-            shell.display_pub.publish(data=content["data"], metadata=content.get("metadata") or {})
+    for content in dict(children)[rank].output.metadata.get("outputs", []):
+        shell.display_pub.publish(data=content["data"], metadata=content.get("metadata") or {})
 
 
 def _silent(children) -> list[int]:

@@ -6,6 +6,7 @@ draws widgets.
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
 import time
@@ -145,10 +146,8 @@ class HangWatch:
         running = [r for r, f in self.children if not f.done() and r not in self.reports]
         if self.asked_at is None and running:
             self.asked_at = time.perf_counter()
-            try:
+            with contextlib.suppress(Exception):
                 self.cluster.signal(running, "SIGUSR1")  # the watchdog's SIGUSR1 handler publishes its stack
-            except Exception:
-                pass
         waiting = [r for r in running if r not in self.stacks]
         if waiting and self.asked_at is not None and time.perf_counter() - self.asked_at < self.STACK_WAIT_S:
             return
@@ -253,11 +252,9 @@ def release(cluster, children, late: list[int], progress, unresponsive: list[int
             time.sleep(0.05)
         return unfinished()
 
-    try:
-        if alive_late:
+    if alive_late:
+        with contextlib.suppress(Exception):
             cluster.signal(alive_late, "SIGINT")
-    except Exception:
-        pass
     stuck = wait(INTERRUPT_GRACE_S)
     stopped = [r for r in late if r not in stuck]
     if not stuck:

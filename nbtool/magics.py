@@ -12,26 +12,12 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_
 from IPython.core.magic_arguments import argument, argument_group, magic_arguments
 from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
-from .options import (
-    BACKENDS,
-    LAUNCHERS,
-    ClusterOptions,
-    check_launch,
-    format_ranks,
-    parse_hosts,
-    parse_int_list,
-    parse_rendezvous,
-    parse_ranks,
-    positive_int,
-    positive_number,
-    positive_seconds,
-    rank_number,
-    strategy_options_given,
-    strategy_spec,
-)
+from .options import (BACKENDS, LAUNCHERS, ClusterOptions, check_launch, format_ranks, parse_hosts, parse_int_list,
+                      parse_rendezvous, parse_ranks, positive_int, positive_number, positive_seconds, rank_number,
+                      strategy_options_given, strategy_spec)
+from .spec import ABSENT, OPTION_FIELDS, PRECISIONS, flag_name
 from .spec import GROUPS as OPTION_GROUPS
 from .spec import NAMES as STRATEGIES
-from .spec import ABSENT, OPTION_FIELDS, PRECISIONS, flag_name
 
 NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 
@@ -186,12 +172,9 @@ class NbtoolMagics(Magics):
         from . import actions
 
         args = parse_argstring(self.cluster, line)
-        launch = ("engines", "hosts", "profile", "interface", "ip", "rendezvous", "slurm_args", "ssh_args")
-        start_opts = {k: v for k, v in (("-n", args.n), ("--backend", args.backend),
-                                         ("--gpus", args.gpus), ("--timeout", args.timeout),
-                                         ("--collective-timeout", args.collective_timeout),
-                                         *(("--" + k.replace("_", "-"), getattr(args, k)) for k in launch))
-                      if v is not None}
+        # every option but the action is one of %cluster start's (argparse keeps them in the order declared)
+        start_opts = ["-n" if k == "n" else "--" + k.replace("_", "-") for k, v in vars(args).items()
+                      if k != "action" and v is not None]
         if args.action != "start" and start_opts:
             raise UsageError(f"{', '.join(start_opts)} only apply to %cluster start, not {args.action}")
         if args.action == "start":
@@ -209,10 +192,8 @@ class NbtoolMagics(Magics):
             )
             check_launch(opts)
             if self.rank_cluster is not None and self.rank_cluster.running:
-                raise UsageError(
-                    f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "
-                    "use %cluster restart for fresh engines, or %cluster stop first"
-                )
+                raise UsageError(f"a cluster of {self.rank_cluster.world_size} rank(s) is already running; "
+                                 "use %cluster restart for fresh engines, or %cluster stop first")
             self.rank_cluster = actions.cluster.start(opts, self.in_kernel)
         elif args.action == "status":
             return actions.cluster.status(self._require_cluster())
@@ -224,7 +205,7 @@ class NbtoolMagics(Magics):
         else:
             if self.rank_cluster is None:
                 raise UsageError(NO_CLUSTER)
-            actions.cluster.restart(self.rank_cluster, self.in_kernel)
+            self.rank_cluster.restart(actions.common.progress_line(self.in_kernel))
 
     # -- %%distributed / %%rank -------------------------------------------
     @magic_arguments()
@@ -256,16 +237,12 @@ class NbtoolMagics(Magics):
             return self._compare(line, cell)
         args = parse_argstring(self.distributed, line)
         if args.strategy is not None and args.strategy not in STRATEGIES:
-            raise UsageError(
-                f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)} "
-                "(or no word to run the cell as written)"
-            )
+            raise UsageError(f"unknown strategy {args.strategy!r}; allowed: {', '.join(STRATEGIES)} "
+                             "(or no word to run the cell as written)")
         if args.strategy is None:
             given = strategy_options_given(args)
             if given:
-                raise UsageError(
-                    f"{given[0]} needs a strategy word first, e.g. %%distributed ddp {given[0]} ..."
-                )
+                raise UsageError(f"{given[0]} needs a strategy word first, e.g. %%distributed ddp {given[0]} ...")
             return self._run(cell, args.ranks, args)
         cluster = self._require_cluster()
         if args.ranks is not None:
@@ -293,9 +270,8 @@ class NbtoolMagics(Magics):
             if stray:
                 raise UsageError(f"compare: {stray.group(1)!r} is not a strategy; allowed: {', '.join(STRATEGIES)}")
         if len(segments) < 2:
-            raise UsageError(
-                "compare needs at least two runs, e.g. %%distributed compare ddp, fsdp --precision bf16, zero3"
-            )
+            raise UsageError("compare needs at least two runs, e.g. "
+                             "%%distributed compare ddp, fsdp --precision bf16, zero3")
         cluster = self._require_cluster()
         runs, seen = [], set()
         timeout, quiet, collective_timeout = None, False, None
@@ -531,8 +507,7 @@ class NbtoolMagics(Magics):
         args = parse_argstring(self.dist_pull, line)
         cluster = self._require_cluster()
         if args.rank is not None and args.rank >= cluster.world_size:
-            raise UsageError(
-                f"--rank {args.rank} does not exist; this cluster has ranks {format_ranks(range(cluster.world_size))}"
-            )
+            raise UsageError(f"--rank {args.rank} does not exist; this cluster has ranks "
+                             f"{format_ranks(range(cluster.world_size))}")
         values = actions.transfer.pull(cluster, args.names, args.rank)
         self.shell.user_ns.update(values)

@@ -6,6 +6,7 @@ line without reading a traceback.
 from __future__ import annotations
 
 import argparse
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -44,12 +45,9 @@ def parse_int_list(text: str, what: str) -> list[int]:
     for part in text.split(","):
         m = re.fullmatch(r"\s*(\d+)\s*(?:-\s*(\d+)\s*)?", part)
         if not m:
-            raise UsageError(
-                f"{what} {text!r}: {part.strip()!r} is not a number or range; "
-                f"use numbers and ranges like 0 or 0,2-3"
-            )
-        lo = int(m.group(1))
-        hi = int(m.group(2)) if m.group(2) is not None else lo
+            raise UsageError(f"{what} {text!r}: {part.strip()!r} is not a number or range; "
+                             f"use numbers and ranges like 0 or 0,2-3")
+        lo, hi = int(m.group(1)), int(m.group(2) or m.group(1))
         if hi < lo:
             raise UsageError(f"{what} {text!r}: range {lo}-{hi} is backwards; write {hi}-{lo}")
         out.extend(range(lo, hi + 1))
@@ -65,25 +63,16 @@ def parse_ranks(text: str | None, world_size: int) -> list[int]:
     ranks = parse_int_list(text, "--ranks")
     bad = [r for r in ranks if r >= world_size]
     if bad:
-        raise UsageError(
-            f"--ranks {text!r}: rank {bad[0]} does not exist; this cluster has ranks "
-            f"{format_ranks(range(world_size))}"
-        )
+        raise UsageError(f"--ranks {text!r}: rank {bad[0]} does not exist; this cluster has ranks "
+                         f"{format_ranks(range(world_size))}")
     return ranks
 
 
 def format_ranks(ranks) -> str:
     """[0, 1, 2, 5] -> '0-2,5'."""
-    ranks = sorted(ranks)
-    parts: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        parts.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ",".join(parts)
+    # a run of consecutive numbers keeps the same difference to its position in the sorted list
+    runs = [[r for _, r in run] for _, run in itertools.groupby(enumerate(sorted(ranks)), lambda p: p[1] - p[0])]
+    return ",".join(str(run[0]) if len(run) == 1 else f"{run[0]}-{run[-1]}" for run in runs)
 
 
 def label_ranks(ranks) -> str:
@@ -133,32 +122,29 @@ def parse_hosts(text: str, n: int | None) -> tuple[tuple[str, int], ...]:
     return tuple(out)
 
 
-def interface_address(name: str) -> str:
-    """The IPv4 address of network interface ``name`` on this machine, or a UsageError listing them."""
+def _ipv4_addresses() -> dict[str, list[str]]:
+    """Each network interface of this machine with its IPv4 addresses (none for some)."""
     import socket
 
     import psutil
 
-    addrs = psutil.net_if_addrs()
-    ipv4 = [a.address for a in addrs.get(name, []) if a.family == socket.AF_INET]
-    if not ipv4:
-        have = ", ".join(f"{k} ({a})" for k, v in sorted(addrs.items())
-                         for a in [next((x.address for x in v if x.family == socket.AF_INET), None)] if a)
+    return {name: [a.address for a in addrs if a.family == socket.AF_INET]
+            for name, addrs in psutil.net_if_addrs().items()}
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of network interface ``name`` on this machine, or a UsageError listing them."""
+    addrs = _ipv4_addresses()
+    if not addrs.get(name):
+        have = ", ".join(f"{k} ({v[0]})" for k, v in sorted(addrs.items()) if v)
         what = "has no IPv4 address" if name in addrs else "does not exist"
         raise UsageError(f"--interface {name!r} {what} on this machine; interfaces with an address: {have}")
-    return ipv4[0]
+    return addrs[name][0]
 
 
 def interface_of(address: str) -> str | None:
     """The local interface holding ``address``, or None."""
-    import socket
-
-    import psutil
-
-    for name, addrs in psutil.net_if_addrs().items():
-        if any(a.family == socket.AF_INET and a.address == address for a in addrs):
-            return name
-    return None
+    return next((name for name, ipv4 in _ipv4_addresses().items() if address in ipv4), None)
 
 
 def parse_rendezvous(text: str) -> str:
@@ -231,22 +217,16 @@ def resolve_layout(opts: ClusterOptions, gpu_count: int) -> Layout:
             have = f"GPUs 0-{gpu_count - 1}" if gpu_count else "no GPU"
             raise UsageError(f"--gpus {format_ranks(gpus)}: GPU {missing[0]} does not exist; this machine has {have}")
         if n > len(gpus):
-            raise UsageError(
-                f"-n {n} needs one GPU per rank but --gpus gives {len(gpus)} "
-                f"({format_ranks(gpus)}); use -n {len(gpus)} or list more GPUs"
-            )
+            raise UsageError(f"-n {n} needs one GPU per rank but --gpus gives {len(gpus)} "
+                             f"({format_ranks(gpus)}); use -n {len(gpus)} or list more GPUs")
         backend = "nccl" if opts.backend == "auto" else opts.backend
         return Layout(n, backend, gpus[:n])
-    if opts.backend == "gloo":
-        return Layout(n, "gloo", None)
     if opts.backend == "nccl" or (opts.backend == "auto" and gpu_count):
         if gpu_count == 0:
             raise UsageError("--backend nccl needs GPUs and none are visible; use --backend gloo for CPU ranks")
         if gpu_count < n:
-            raise UsageError(
-                f"-n {n} with nccl needs one GPU per rank but {gpu_count} GPU(s) are visible; "
-                f"use -n {gpu_count}, or --backend gloo for CPU ranks"
-            )
+            raise UsageError(f"-n {n} with nccl needs one GPU per rank but {gpu_count} GPU(s) are visible; "
+                             f"use -n {gpu_count}, or --backend gloo for CPU ranks")
         return Layout(n, "nccl", tuple(range(n)))
     return Layout(n, "gloo", None)
 
@@ -267,8 +247,7 @@ def _load_json(path: str) -> dict:
 
 
 # option values that argparse keeps as text and the spec holds in another form
-CONVERT = {"class_list": lambda text: tuple(w.strip() for w in text.split(",") if w.strip()),
-           "json_file": _load_json}
+CONVERT = {"class_list": lambda text: tuple(w.strip() for w in text.split(",") if w.strip()), "json_file": _load_json}
 
 
 def strategy_spec(args, backend: str | None, device_kind: str, world_size: int | None = None):
@@ -279,13 +258,8 @@ def strategy_spec(args, backend: str | None, device_kind: str, world_size: int |
     """
     from .spec import OPTION_FIELDS, SpecError, StrategySpec, validate
 
-    values = {}
-    for f in OPTION_FIELDS:
-        value = getattr(args, f.name)
-        if value is None:
-            continue
-        convert = CONVERT.get(f.metadata["argparse"].get("type"))
-        values[f.name] = convert(value) if convert else value
+    values = {f.name: CONVERT.get(f.metadata["argparse"].get("type"), lambda v: v)(getattr(args, f.name))
+              for f in OPTION_FIELDS if getattr(args, f.name) is not None}
     spec = StrategySpec(name=args.strategy, **values)
     try:
         validate(spec, backend, device_kind, world_size)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import copy
 import json
-from dataclasses import MISSING, asdict, dataclass, field, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 
 NAMES = ("ddp", "fsdp", "zero1", "zero2", "zero3", "tp", "pp")
 # torch.distributed.pipelining's schedules: one stage per rank, then several (virtual stages) per rank
@@ -68,8 +69,7 @@ def first_rank_hops(pp: int, virtual: int, schedule: str) -> int:
     stages, 3 interleaved (0-1, 1-2, 2-3) and 2 for ZB-V (its 1-2 hop stays on rank 1)."""
     where = {s: r for r in range(pp) for s in stage_indices(r, pp, virtual, schedule)}
     mine = set(stage_indices(0, pp, virtual, schedule))
-    return sum(1 for s in range(pp * virtual - 1)
-               if where[s] != where[s + 1] and (s in mine or s + 1 in mine))
+    return sum(1 for s in range(pp * virtual - 1) if where[s] != where[s + 1] and (s in mine or s + 1 in mine))
 
 
 def pipeline_schedule(spec: "StrategySpec") -> tuple[str, int]:
@@ -89,26 +89,23 @@ class SpecError(ValueError):
 
 
 ZERO_NAMES = ("zero1", "zero2", "zero3")
-EVERY = NAMES
 
 
-def option(default=None, *, group: str, help: str, applies: tuple[str, ...] = EVERY, flag: str | None = None,
-           kind: str = "value", refuse: str | None = None, compare: bool = True, **argparse):
+def option(default=None, *, group: str, help: str, applies: tuple[str, ...] = NAMES, kind: str = "value",
+           refuse: str | None = None, compare: bool = True, **argparse):
     """A StrategySpec field that is also a ``%%distributed`` option (the one table of options).
 
-    ``flag``: the option's name on the line (default: the field's, dashed);
-    ``kind``: how the magic parses it: "value" (one argument, ``argparse`` keywords
-    such as choices, metavar, nargs, const; ``type`` names a checked type of
-    nbtool.options), "switch" (a store_true flag), "off" (``--no-X`` turns a
-    True default off; ``--X`` is accepted too), "both" (``--X`` / ``--no-X``,
-    None when neither is given); what argparse stores when the option is absent
-    is ``ABSENT[kind]`` (None: the field keeps ``default``); ``applies``: the strategies it applies to (others refuse it, with ``refuse``
-    as the fix when given); ``group``: the section of ``%%distributed?`` it is
-    listed in.
+    Its name on the line is the field's, dashed. ``kind``: how the magic parses it: "value" (one argument,
+    ``argparse`` keywords such as choices, metavar, nargs, const; ``type`` names a checked type of
+    nbtool.options), "switch" (a store_true flag), "off" (``--no-X`` turns a True default off; ``--X`` is
+    accepted too), "both" (``--X`` / ``--no-X``, None when neither is given); what argparse stores when the
+    option is absent is ``ABSENT[kind]`` (None: the field keeps ``default``); ``applies``: the strategies it
+    applies to (others refuse it, with ``refuse`` as the fix when given); ``group``: the section of
+    ``%%distributed?`` it is listed in.
     """
     return field(default=default, compare=compare, metadata={
-        "option": True, "group": group, "help": help, "applies": applies, "flag": flag, "kind": kind,
-        "refuse": refuse, "argparse": argparse})
+        "option": True, "group": group, "help": help, "applies": applies, "kind": kind, "refuse": refuse,
+        "argparse": argparse})
 
 
 # what argparse stores for an option the line left out, by kind (see option)
@@ -256,7 +253,7 @@ OPTION_FIELDS = tuple(f for f in fields(StrategySpec) if f.metadata.get("option"
 
 def flag_name(f) -> str:
     """The option's own name: ``--grad-accum`` (an "off" option is written ``--no-`` + it when set)."""
-    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+    return "--" + f.name.replace("_", "-")
 
 
 def flag_of(f) -> str:
@@ -275,11 +272,9 @@ def line_of(spec: StrategySpec) -> str:
         if f.name == "ds_config" or value == f.default:
             continue
         kind = f.metadata["kind"]
-        if kind in ("switch", "off"):
-            words.append(flag_of(f))
-        elif kind == "both":
+        if kind == "both":
             words.append(flag_name(f) if value else "--no-" + flag_name(f)[2:])
-        elif value == f.metadata["argparse"].get("const", object()):
+        elif kind != "value" or value == f.metadata["argparse"].get("const", object()):  # a switch, or no argument
             words.append(flag_of(f))
         else:
             text = ",".join(value) if isinstance(value, tuple) else f"{value:g}" if isinstance(value, float) else value
@@ -289,8 +284,7 @@ def line_of(spec: StrategySpec) -> str:
 
 def given(spec: StrategySpec, f) -> bool:
     """True when the line set this option (its value differs from the field's default)."""
-    default = f.default if f.default is not MISSING else None
-    return getattr(spec, f.name) != default
+    return getattr(spec, f.name) != f.default
 
 
 @dataclass(frozen=True)
@@ -303,10 +297,6 @@ class ParallelDims:
 
     def __iter__(self):  # dp, tp, pp = dims
         return iter((self.dp, self.tp, self.pp))
-
-    @property
-    def world_size(self) -> int:
-        return self.dp * self.tp * self.pp
 
     @classmethod
     def resolve(cls, spec: StrategySpec, world_size: int) -> "ParallelDims":
@@ -324,9 +314,7 @@ class ParallelDims:
         free = own if dims[own] is None else ("dp" if dims["dp"] is None else None)
         if free is not None:
             fixed = {k: v or 1 for k, v in dims.items() if k != free}
-            prod = 1
-            for v in fixed.values():
-                prod *= v
+            prod = math.prod(fixed.values())
             if world_size % prod:
                 given_ = " * ".join(f"{k}({v})" for k, v in fixed.items())
                 raise SpecError(f"{given_} = {prod} does not divide world_size({world_size}); "
@@ -366,9 +354,7 @@ def hsdp_dims(spec: StrategySpec, world_size: int) -> tuple[int, int] | None:
 
 def _refuse_inapplicable(spec: StrategySpec, names: tuple[str, ...] | None = None) -> None:
     """Options given on the line that the strategy does not take (the table's ``applies``)."""
-    for f in OPTION_FIELDS:
-        if names is not None and f.name not in names:
-            continue
+    for f in (f for f in OPTION_FIELDS if names is None or f.name in names):
         allowed = f.metadata["applies"]
         if spec.name not in allowed and given(spec, f):
             fix = f.metadata["refuse"] or f"it applies to {', '.join(allowed)}"
@@ -412,35 +398,25 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
         if spec.offload not in OFFLOADS:
             raise SpecError(f"--offload {spec.offload!r}; allowed: {', '.join(OFFLOADS)}")
         if n == "fsdp" and spec.offload != "both":
-            raise SpecError(
-                f"fsdp --offload {spec.offload}: FSDP's CPUOffloadPolicy moves parameters, gradients and "
-                "optimizer state together; use --offload both (or zero2/zero3 to offload one part)"
-            )
+            raise SpecError(f"fsdp --offload {spec.offload}: FSDP's CPUOffloadPolicy moves parameters, gradients and "
+                            "optimizer state together; use --offload both (or zero2/zero3 to offload one part)")
         if n in ("zero1", "zero2") and spec.offload in ("params", "both"):
-            raise SpecError(
-                f"{n} --offload {spec.offload}: DeepSpeed offloads parameters only in ZeRO stage 3; "
-                "use zero3, or --offload optimizer"
-            )
+            raise SpecError(f"{n} --offload {spec.offload}: DeepSpeed offloads parameters only in ZeRO stage 3; "
+                            "use zero3, or --offload optimizer")
     if spec.precision == "fp16":
         if n == "fsdp":
-            raise SpecError(
-                "fsdp --precision fp16: nbtool wires no loss scaler into FSDP2, and fp16 without one "
-                "underflows; use --precision bf16 (or ddp / zero* with fp16 on GPUs)"
-            )
+            raise SpecError("fsdp --precision fp16: nbtool wires no loss scaler into FSDP2, and fp16 without one "
+                            "underflows; use --precision bf16 (or ddp / zero* with fp16 on GPUs)")
         if spec.is_zero and device_kind == "cpu":
-            raise SpecError(
-                f"{n} --precision fp16 on CPU ranks: DeepSpeed's CPU accelerator has no fp16 loss "
-                "scaling; use --precision bf16"
-            )
+            raise SpecError(f"{n} --precision fp16 on CPU ranks: DeepSpeed's CPU accelerator has no fp16 loss "
+                            "scaling; use --precision bf16")
     if spec.is_zero and backend not in (None, "gloo", "nccl"):
         raise SpecError(f"{n} needs a gloo or nccl process group; this cluster uses {backend}")
     if spec.is_zero and spec.ds_config is not None:
         stage = (spec.ds_config.get("zero_optimization") or {}).get("stage")
         if stage not in (None, spec.stage):
-            raise SpecError(
-                f"--ds-config has zero_optimization.stage {stage} but the strategy is {n}; "
-                f"use %%distributed zero{stage}, or change the file"
-            )
+            raise SpecError(f"--ds-config has zero_optimization.stage {stage} but the strategy is {n}; "
+                            f"use %%distributed zero{stage}, or change the file")
 
 
 def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
@@ -450,7 +426,7 @@ def _validate_layout(spec: StrategySpec, world_size: int | None) -> None:
     if world_size is not None and n in LAYOUT_NAMES:
         _, tp, pp = ParallelDims.resolve(spec, world_size)
     else:
-        tp, pp =  spec.tp or (2 if n == "tp" else 1), spec.pp or (2 if n == "pp" else 1)
+        tp, pp = spec.tp or (2 if n == "tp" else 1), spec.pp or (2 if n == "pp" else 1)
     if spec.sp and tp < 2:
         raise SpecError(f"--sp splits activations along the sequence inside a tensor-parallel group; "
                         f"it needs tp >= 2 (got tp({tp})): use %%distributed tp --tp 2 --sp")
@@ -532,20 +508,17 @@ def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
         cfg["gradient_clipping"] = spec.grad_clip or 0.0
     zero = cfg.setdefault("zero_optimization", {})
     zero["stage"] = spec.stage
-    if spec.overlap_comm is not None:
-        zero["overlap_comm"] = spec.overlap_comm
-    if spec.contiguous_gradients is not None:
-        zero["contiguous_gradients"] = spec.contiguous_gradients
+    for key in ("overlap_comm", "contiguous_gradients"):
+        if getattr(spec, key) is not None:
+            zero[key] = getattr(spec, key)
     # DeepSpeed counts both buckets in elements of the (16-bit under bf16/fp16) gradient and parameter dtype
     per_element = 2 if spec.precision in ("bf16", "fp16") else 4
-    if spec.reduce_bucket_mb is not None:
-        zero["reduce_bucket_size"] = int(spec.reduce_bucket_mb * 2**20) // per_element
-    if spec.allgather_bucket_mb is not None:
-        zero["allgather_bucket_size"] = int(spec.allgather_bucket_mb * 2**20) // per_element
-    if spec.offload in ("optimizer", "both"):
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
-    if spec.offload in ("params", "both"):
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    for key, mb in (("reduce_bucket_size", spec.reduce_bucket_mb), ("allgather_bucket_size", spec.allgather_bucket_mb)):
+        if mb is not None:
+            zero[key] = int(mb * 2**20) // per_element
+    for key, parts in (("offload_optimizer", ("optimizer", "both")), ("offload_param", ("params", "both"))):
+        if spec.offload in parts:
+            zero[key] = {"device": "cpu", "pin_memory": False}
     if spec.precision == "bf16":
         cfg["bf16"] = {"enabled": True}
         cfg.pop("fp16", None)

@@ -10,14 +10,9 @@ def start(opts: ClusterOptions, in_kernel: bool) -> RankCluster:
     return RankCluster.start(opts, progress=progress_line(in_kernel))
 
 
-def stop(cluster: RankCluster) -> None:
-    cluster.stop()
-
-
 def status(cluster: RankCluster):
-    from ..widgets import StatusTable
-
     from ..launchers import describe, hosts_text
+    from ..widgets import StatusTable
 
     layout = cluster.layout
     where = ""
@@ -45,7 +40,3 @@ def status(cluster: RankCluster):
                    f"{'; lost: ' + label_ranks(lost) if lost else ''}): "
                    f"%cluster restart brings back {layout.n} fresh rank(s)")
     return StatusTable(rows, header=header)
-
-
-def restart(cluster: RankCluster, in_kernel: bool) -> None:
-    cluster.restart(progress_line(in_kernel))

@@ -21,17 +21,16 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
     everyone = list(range(cluster.world_size))
     prepare_cell(cluster, everyone, None, collectives=True)  # once: every sweep runs on every rank
     groups = link_groups([p.node_rank for p in cluster.places]) if ranks is None and cluster.places else {}
+
+    def sweep(members, name, link=""):
+        return _sweep(cluster, ops, sizes, dtype, iters, warmup, members, inplace, in_kernel, name, repeat, link=link)
+
     if not groups:
-        result = _sweep(cluster, ops, sizes, dtype, iters, warmup, ranks or everyone, inplace, in_kernel, label,
-                        repeat)
+        result = sweep(ranks or everyone, label)
     else:
         named = lambda part: f"{label}: {part}" if label else part
-        parts = [_sweep(cluster, ops, sizes, dtype, iters, warmup, everyone, inplace, in_kernel, named("all ranks"),
-                        repeat)]
-        for link, members in groups.items():
-            parts.append(_sweep(cluster, ops, sizes, dtype, iters, warmup, list(members), inplace, in_kernel,
-                                named(link), repeat, link=link))
-        result = CommbenchLinks(parts)
+        result = CommbenchLinks([sweep(everyone, named("all ranks"))]
+                                + [sweep(list(members), named(link), link) for link, members in groups.items()])
     state.commbench = result
     if result.wrong:
         print(f"commbench: {result.wrong} result element(s) were WRONG: the collective is broken "
@@ -51,7 +50,7 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
     plot = plot_id = None
     if in_kernel:
         from ..widgets.commbench_view import SweepPlot
-        from ..widgets.figures import show_live
+        from ..widgets.figures import replace_live, show_live
 
         plot = SweepPlot(ops)
         plot_id = show_live(plot.fig)
@@ -74,15 +73,11 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
             cluster.signal(everyone, "SIGINT")
             ar.wait(5)
         if plot is not None:
-            from ..widgets.figures import replace_live
-
             replace_live(plot_id, retire=plot)
         raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label,
                                             repeat=repeat, link=link)
     if plot is not None:  # the live plot's output becomes the result's static figure, in place
-        from ..widgets.figures import replace_live
-
         replace_live(plot_id, result.figure(), retire=plot)
     return result

@@ -15,8 +15,7 @@ def progress_line(in_kernel: bool):
     return ProgressLine(in_kernel)
 
 
-def prepare_cell(cluster: RankCluster, ranks: list[int], collective_timeout: float | None,
-                  collectives: bool) -> None:
+def prepare_cell(cluster: RankCluster, ranks: list[int], collective_timeout: float | None, collectives: bool) -> None:
     """Checks before a cell runs: ranks alive, process group usable, watchdog timeout set."""
     check_alive(cluster, ranks)
     if cluster.group_closed:
@@ -32,7 +31,5 @@ def check_alive(cluster: RankCluster, ranks: list[int]) -> None:
     lost = sorted(set(ranks) & set(cluster.lost_ranks()))
     if lost:
         reasons = "; ".join(f"rank {r}: {cluster.exit_reason(r)}" for r in lost)
-        raise UsageError(
-            f"rank(s) {format_ranks(lost)} are no longer connected ({reasons}); "
-            f"%cluster restart brings back {cluster.world_size} fresh rank(s)"
-        )
+        raise UsageError(f"rank(s) {format_ranks(lost)} are no longer connected ({reasons}); "
+                         f"%cluster restart brings back {cluster.world_size} fresh rank(s)")

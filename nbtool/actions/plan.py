@@ -167,8 +167,7 @@ def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     """A preset by a forgiving name: case, spaces and punctuation ignored; a unique fragment is enough."""
     norm = lambda x: "".join(ch for ch in x.lower() if ch.isalnum())
     key = norm(text)
-    exact = [name for name in table if norm(name) == key]
-    hits = exact or [name for name in table if key and key in norm(name)]
+    hits = [name for name in table if norm(name) == key] or [name for name in table if key and key in norm(name)]
     if len(hits) != 1:
         what = "matches several presets" if hits else "is not a preset"
         raise UsageError(f"{option} {text!r} {what}; presets: {', '.join(table)}{' ' + hint if hint else ''}")

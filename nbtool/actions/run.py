@@ -20,8 +20,7 @@ TIMELINE_FINISH_S = 600.0  # --memory-timeline: torch works out the categories a
 def run(cluster: RankCluster, code: str, ranks: list[int], *, in_kernel: bool,
         timeout: float | None, quiet: bool, collective_timeout: float | None = None) -> None:
     prepare_cell(cluster, ranks, collective_timeout, collectives=False)
-    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
-             progress=progress_line(in_kernel))
+    run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet, progress=progress_line(in_kernel))
 
 
 def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_kernel: bool, timeout: float | None,
@@ -35,7 +34,7 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     """
     from ..metrics import RunRecords
     from ..rank import strategies
-    from ..spec import deepspeed_config, dumps_config
+    from ..spec import LAYOUT_NAMES, ParallelDims, deepspeed_config, dumps_config
 
     ranks = list(range(cluster.world_size))
     if spec.checkpoint_every and cluster.options.multi_host:  # before the cell: every rank saves there
@@ -52,12 +51,9 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     dash = None
     if metrics and watch and in_kernel and not quiet:
         from ..widgets import Dashboard
-
-        from ..spec import LAYOUT_NAMES, ParallelDims
+        from ..widgets.figures import replace_live, show_live
 
         pipeline = spec.name in LAYOUT_NAMES and ParallelDims.resolve(spec, cluster.world_size).pp > 1
-        from ..widgets.figures import show_live
-
         dash = Dashboard(cluster.world_size, title=f"{run.name}: live", pipeline=pipeline,
                          cuda=cluster.layout.device_kind == "cuda")
         dash_id = show_live(dash.widget)
@@ -66,16 +62,12 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     except BaseException:
         _finish(cluster, ranks, want_summary=False)  # ranks where it worked: stop their recorders
         if dash is not None:
-            from ..widgets.figures import replace_live
-
             replace_live(dash_id, retire=dash)
         raise
-    live = _LiveRecords(run, dash)
-    finished = None
     ok = False
     try:
         run_cell(cluster, code, ranks, in_kernel=in_kernel, timeout=timeout, quiet=quiet,
-                 on_tick=live if dash is not None else None, progress=progress_line(in_kernel))
+                 on_tick=_LiveRecords(run, dash) if dash is not None else None, progress=progress_line(in_kernel))
         ok = True
     finally:
         # always stop the recorders: their sampling thread runs and the watchdog's wrappers report to them
@@ -92,8 +84,6 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
                 state.runs[run.name] = run
             state.last = run
         if dash is not None:  # the live widget's output becomes its static copy, in place
-            from ..widgets.figures import replace_live
-
             dash.refresh(run, force=True)
             replace_live(dash_id, dash.static(run), retire=dash)
     if not quiet and finished is not None and finished[0]["summary"]:

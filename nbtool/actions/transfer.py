@@ -23,10 +23,8 @@ def pull(cluster: RankCluster, names: list[str], rank: int | None) -> dict:
             values = cluster.view(ranks).pull(name, block=True)
         except ipp.error.CompositeError as e:
             bad = sorted(cluster.rank_of(err[3]["engine_id"]) for err in e.elist if err[3])
-            raise UsageError(
-                f"{name!r} is not defined on rank(s) {format_ranks(bad) or '?'}; "
-                "assign it in a %%distributed cell first"
-            ) from None
+            raise UsageError(f"{name!r} is not defined on rank(s) {format_ranks(bad) or '?'}; "
+                             "assign it in a %%distributed cell first") from None
         except ipp.error.RemoteError:
             raise UsageError(f"{name!r} is not defined on rank {rank}; assign it in a %%distributed cell first") from None
         out[name] = values[0] if rank is not None else list(values)

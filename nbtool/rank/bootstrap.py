@@ -5,6 +5,7 @@ life. Nothing here imports IPython display or widget code.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
@@ -133,10 +134,8 @@ def close_process_group(peer_fds: list[int] = ()) -> str:
     # the peer stays blocked. Aborting each backend closes them whoever holds it.
     for pg in list(c10d._world.pg_map):
         for device in (torch.device("cpu"), torch.device("cuda")):
-            try:
+            with contextlib.suppress(Exception):  # no backend for that device type, or already closed
                 pg._get_backend(device).abort()
-            except Exception:  # no backend for that device type, or already closed
-                pass
     dist.destroy_process_group()
     _shutdown_sockets(peer_fds)
     return "closed"
@@ -148,20 +147,13 @@ def _shutdown_sockets(fds) -> None:
     shutdown acts on the connection, not the descriptor, so it reaches the
     peer (end-of-file) even though gloo keeps its own descriptor open.
     """
-    import os
-    import socket
-
     for fd in fds:
         try:
             s = socket.socket(fileno=os.dup(fd))
         except OSError:
             continue
-        try:
+        with s, contextlib.suppress(OSError):
             s.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        finally:
-            s.close()
 
 
 def _install_namespace(rank: int, world_size: int, device) -> None:
@@ -174,9 +166,7 @@ def _install_namespace(rank: int, world_size: int, device) -> None:
     shell = get_ipython()
     if shell is None:  # plain apply outside an engine (unit use)
         return
-    shell.user_ns.update(
-        torch=torch, dist=dist, rank=rank, world_size=world_size, device=device
-    )
+    shell.user_ns.update(torch=torch, dist=dist, rank=rank, world_size=world_size, device=device)
 
 
 def rank_device():
@@ -219,11 +209,9 @@ def host_facts(ifname: str | None) -> dict:
 
     addrs = psutil.net_if_addrs()
     address = next((a.address for a in addrs.get(ifname or "", []) if a.family == socket.AF_INET), None)
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            boot = f.read().strip()
-    except OSError:
-        boot = None
+    boot = None
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        boot = f.read().strip()
     launcher_rank = next((int(os.environ[k]) for k in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
                                                         "PMIX_RANK") if os.environ.get(k, "").isdigit()), None)
     return {"hostname": socket.gethostname(), "address": address, "boot_id": boot, "pid": os.getpid(),
@@ -237,8 +225,7 @@ def rank_info() -> dict:
     import torch
     import torch.distributed as dist
 
-    proc = psutil.Process()
-    mem = proc.memory_info()
+    mem = psutil.Process().memory_info()
     initialized = dist.is_available() and dist.is_initialized()
     device = "cpu"
     if torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES"):
@@ -261,7 +248,7 @@ def rank_info() -> dict:
 
 def rss() -> tuple[int, int | None]:
     """(current RSS, peak RSS) of this process in bytes: Linux's VmRSS / VmHWM, else psutil (no peak)."""
-    try:
+    with contextlib.suppress(OSError):
         cur = peak = None
         with open("/proc/self/status") as f:
             for line in f:
@@ -271,8 +258,6 @@ def rss() -> tuple[int, int | None]:
                     peak = int(line.split()[1]) * 1024
         if cur is not None:
             return cur, peak
-    except OSError:
-        pass
     import psutil
 
     return psutil.Process().memory_info().rss, None
@@ -323,28 +308,20 @@ def _watch_kernel(kernel_pid: int, controller_pid: int | None, cleanup_paths: tu
         while _alive(psutil, kernel_pid):
             time.sleep(1.0)
         if controller_pid:
-            try:
+            with contextlib.suppress(OSError):
                 os.kill(controller_pid, 15)
-            except OSError:
-                pass
         import shutil
 
         for path in cleanup_paths:
             if os.path.isdir(path):
                 shutil.rmtree(path, ignore_errors=True)
             else:
-                _unlink(path)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
         os._exit(0)
 
     _watcher = threading.Thread(target=run, name="nbtool-kernel-watch", daemon=True)
     _watcher.start()
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 def hardware_facts() -> dict:
@@ -355,9 +332,8 @@ def hardware_facts() -> dict:
 
     facts = {"host_memory": psutil.virtual_memory().total, "cpus": os.cpu_count(), "gpus": []}
     if torch.cuda.is_available():
-        for i in range(torch.cuda.device_count()):
-            p = torch.cuda.get_device_properties(i)
-            facts["gpus"].append({"name": p.name, "memory": p.total_memory})
+        facts["gpus"] = [{"name": p.name, "memory": p.total_memory} for p in
+                         map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
         if torch.cuda.device_count() > 1:
             facts["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
         from ..nvml import detect

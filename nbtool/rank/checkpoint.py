@@ -84,18 +84,15 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
     # a pipeline stage loads its own part; any other model must match the checkpoint whole
     unexpected = [] if getattr(strategy, "pp", 1) > 1 else sorted(set(meta["params"]) - set(sd))
     if missing or unexpected:
-        raise CheckpointError(
-            f"checkpoint {path!r} does not match this model: "
-            + (f"missing {missing[:3]}{' ...' if len(missing) > 3 else ''}" if missing else "")
-            + ("; " if missing and unexpected else "")
-            + (f"unexpected {unexpected[:3]}{' ...' if len(unexpected) > 3 else ''}" if unexpected else ""))
+        raise CheckpointError(f"checkpoint {path!r} does not match this model: " + "; ".join(
+            f"{what} {names[:3]}{' ...' if len(names) > 3 else ''}"
+            for what, names in (("missing", missing), ("unexpected", unexpected)) if names))
     dcp.load(sd, checkpoint_id=os.path.join(d, "model"))
     strategy.apply_model_state(sd)
     same = meta["strategy"] == strategy.name and meta["world_size"] == strategy.world_size
-    restored_optimizer = False
-    if optimizer and same:
+    restored_optimizer = optimizer and same
+    if restored_optimizer:
         strategy.load_optimizer(d)
-        restored_optimizer = True
     strategy.resume_at(meta["steps"])
     dist.barrier()
     note = "model and optimizer" if restored_optimizer else (

@@ -101,12 +101,8 @@ def describe_call(name: str, args: tuple, kwargs: dict) -> tuple[str, int, int, 
     try:
         group = kwargs.get("group")
         n = group.size() if group is not None else _world_size()
-        tensor = None
-        if arg is not None:
-            if len(args) > arg:
-                tensor = args[arg]
-            else:
-                tensor = next((kwargs[k] for k in _KEYWORDS[(arg, how)] if k in kwargs), None)
+        tensor = (None if arg is None else args[arg] if len(args) > arg
+                  else next((kwargs[k] for k in _KEYWORDS[(arg, how)] if k in kwargs), None))
         return op, nbytes(tensor), n, dtype_name(tensor)
     except Exception:  # an unusual call signature: what is known, never break the call
         try:
@@ -161,7 +157,4 @@ def dtype_name(t) -> str:
     dtype = getattr(t, "dtype", None)
     if dtype is None:
         return ""
-    name = _DTYPE_NAMES.get(dtype)
-    if name is None:
-        name = _DTYPE_NAMES[dtype] = str(dtype).replace("torch.", "")
-    return name
+    return _DTYPE_NAMES.get(dtype) or _DTYPE_NAMES.setdefault(dtype, str(dtype).replace("torch.", ""))

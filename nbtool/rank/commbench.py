@@ -15,25 +15,25 @@ import torch
 import torch.distributed as dist
 
 from .. import protocol
+from .bootstrap import rank_device
 from .groups import subgroup
 
 
 
 def _buffers(op: str, count: int, n: int, me: int, dtype, device, inplace: bool):
     """(input, output) for one call; ``count`` elements is the op's S / element size."""
+    def empty(k):
+        return torch.empty(k, dtype=dtype, device=device)
+
     if op in ("all_reduce", "broadcast"):
-        buf = torch.empty(count, dtype=dtype, device=device)
+        buf = empty(count)
         return buf, buf
-    if op == "all_gather":  # S = the gathered output
-        out = torch.empty(count, dtype=dtype, device=device)
-        inp = out.narrow(0, me * (count // n), count // n) if inplace else torch.empty(count // n, dtype=dtype, device=device)
-        return inp, out
-    if op == "reduce_scatter":  # S = the unscattered input
-        inp = torch.empty(count, dtype=dtype, device=device)
-        out = inp.narrow(0, me * (count // n), count // n) if inplace else torch.empty(count // n, dtype=dtype, device=device)
-        return inp, out
+    if op in ("all_gather", "reduce_scatter"):  # S = the gathered output / the unscattered input
+        full = empty(count)
+        part = full.narrow(0, me * (count // n), count // n) if inplace else empty(count // n)
+        return (part, full) if op == "all_gather" else (full, part)
     if op == "all_to_all":
-        return torch.empty(count, dtype=dtype, device=device), torch.empty(count, dtype=dtype, device=device)
+        return empty(count), empty(count)
     raise ValueError(op)
 
 
@@ -104,8 +104,6 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
     n = len(ranks)
     me = ranks.index(me_global)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype_name]
-    from .bootstrap import rank_device
-
     device = rank_device()
     cuda = device.type == "cuda"
     rows = []
@@ -120,10 +118,9 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
             out.fill_(-7)
             _fill(op, inp, n, me)  # after the clear: in-place inputs are views of the output
             _call(op, inp, out, group)
-            wrong = int((out != _expected(op, out, n, me)).sum().item())
             row = {"op": op, "count": count, "size_bytes": count * inp.element_size(), "dtype": dtype_name,
                    "rank": me_global, "seconds": sorted(samples)[len(samples) // 2], "samples": samples,
-                   "wrong": wrong,
+                   "wrong": int((out != _expected(op, out, n, me)).sum().item()),
                    "clock": "cuda_event" if cuda else "wall"}
             rows.append(row)
             if publish and me == 0:

@@ -7,6 +7,7 @@ it apart and leaves the steps that compiled out of its step time.
 """
 from __future__ import annotations
 
+import contextlib
 import time
 
 from torch import nn
@@ -49,10 +50,8 @@ class CompileClock:
 
         for remove, fn in ((callback_handler.remove_start_callback, self._begin),
                            (callback_handler.remove_end_callback, self._end)):
-            try:
+            with contextlib.suppress(ValueError):  # already removed
                 remove(fn)
-            except ValueError:  # already removed
-                pass
 
     def _begin(self, args) -> None:
         self._t0, self._step = time.perf_counter(), self._steps_done() + 1

@@ -107,30 +107,24 @@ class Decoder:
         return getattr(self.trunk, self.blocks_attr)
 
     def qualified(self, owner: nn.Module, attr: str) -> str:
-        prefix = self.trunk_name if owner is self.trunk else self.head_name
+        prefix = self.trunk_name if owner is self.trunk else self.trunk_name.rpartition(".")[0]  # the head's owner
         return f"{prefix}.{attr}" if prefix else attr
-
-    @property
-    def head_name(self) -> str:
-        return self.trunk_name.rpartition(".")[0] if "." in self.trunk_name else ""
 
 
 def decoder(model: nn.Module) -> Decoder:
     """The decoder shape of ``model`` for pipeline stages, or a StrategyError naming what is supported."""
     prefix, _ = block_list(model)
     trunk_name, _, attr = prefix.rpartition(".")
-    modules = dict(model.named_modules())
-    trunk = modules[trunk_name] if trunk_name else model
-    parent_name = trunk_name.rpartition(".")[0]
-    parent = modules[parent_name] if trunk_name else None
     if not trunk_name:
         names = [n for n, _ in model.named_children()]
         at = names.index(attr)
         return Decoder("toplevel", "", model, attr, tuple((model, n) for n in names[:at]),
                        tuple((model, n) for n in names[at + 1:]))
+    modules = dict(model.named_modules())
+    parent_name = trunk_name.rpartition(".")[0]
+    trunk, parent = modules[trunk_name], modules[parent_name]
     kids = dict(trunk.named_children())
-    head = getattr(parent, "lm_head", None) if parent is not None else None
-    if head is None:
+    if getattr(parent, "lm_head", None) is None:
         raise StrategyError(f"the blocks ({prefix}) are nested and {parent_name or 'the model'} has no lm_head "
                             f"next to {trunk_name}. {SUPPORTED_STAGES}")
     if attr == "layers" and {"embed_tokens", "norm"} <= set(kids):
@@ -152,8 +146,7 @@ class KeptBlocks(nn.ModuleList):
 
     def __init__(self, kept: dict):
         super().__init__()
-        for key, block in kept.items():
-            self._modules[key] = block
+        self._modules.update(kept)
 
     def __getitem__(self, idx):
         if isinstance(idx, slice):  # Hugging Face slices its layers: a plain list of the kept ones
@@ -177,10 +170,7 @@ class StageModule(nn.Module):
 
     def forward(self, x):
         d = self._shape
-        if self.first:
-            h = _embed(d, x)
-        else:
-            h = x
+        h = _embed(d, x) if self.first else x
         positions = torch.arange(h.shape[1], device=h.device).unsqueeze(0)
         if d.kind == "llama":
             masks = _llama_masks(d.trunk, h, positions)
@@ -216,12 +206,13 @@ def _hidden(out):
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
-def _mask_kwargs(fn, config, h, positions) -> dict:
+def _make_mask(fn, config, h, positions):
+    """``fn(...)``, one of transformers' mask functions, with the keyword arguments its signature takes."""
     # the cache argument was renamed (past_key_values -> cache) across transformers versions
     params = inspect.signature(fn).parameters
     kw = {"config": config, "inputs_embeds": h, "attention_mask": None, "position_ids": positions}
     kw.update({k: None for k in ("cache", "past_key_values", "cache_position") if k in params})
-    return {k: v for k, v in kw.items() if k in params}
+    return fn(**{k: v for k, v in kw.items() if k in params})
 
 
 def _llama_masks(trunk, h, positions) -> dict:
@@ -231,11 +222,9 @@ def _llama_masks(trunk, h, positions) -> dict:
     config = trunk.config
     types = getattr(config, "layer_types", None)
     sliding = "sliding_attention" in (types or ()) or (types is None and getattr(config, "sliding_window", None))
-    full = module.create_causal_mask
-    masks = {"full_attention": full(**_mask_kwargs(full, config, h, positions))}
+    masks = {"full_attention": _make_mask(module.create_causal_mask, config, h, positions)}
     if sliding:
-        fn = module.create_sliding_window_causal_mask
-        masks["sliding_attention"] = fn(**_mask_kwargs(fn, config, h, positions))
+        masks["sliding_attention"] = _make_mask(module.create_sliding_window_causal_mask, config, h, positions)
         if types is None:
             masks["full_attention"] = masks["sliding_attention"]
     return masks
@@ -245,7 +234,7 @@ def _gpt_mask(trunk, h, positions):
     fn = getattr(sys.modules[type(trunk).__module__], "create_causal_mask", None)
     if fn is None or getattr(trunk, "config", None) is None:  # nanoGPT-style: its blocks mask themselves
         return _NO_MASK
-    return fn(**_mask_kwargs(fn, trunk.config, h, positions))
+    return _make_mask(fn, trunk.config, h, positions)
 
 
 def _own_logits(model: nn.Module, head: nn.Module, ids) -> torch.Tensor | None:

@@ -112,25 +112,18 @@ def tied_across_stages(model: nn.Module, shape, stages: int, per: int) -> list:
     names: dict = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), (p, []))[1].append(name)
-    out = []
-    for p, aliases in names.values():
-        held = {stage_of(n) for n in aliases} - {None}
-        if len(held) > 1:
-            out.append((aliases, torch.empty_like(p, device="meta")))
-    return out
+    return [(aliases, torch.empty_like(p, device="meta")) for p, aliases in names.values()
+            if len({stage_of(n) for n in aliases} - {None}) > 1]
 
 
 class StageClock:
     """Seconds the stage computes: its forward and backward chunks, the loss (last stage) and the
     gradient scaling. The rest of a step is the bubble: waiting, sends and receives, scheduling."""
 
-    def __init__(self, stage):
+    def __init__(self, stages):
         self.compute_s = 0.0
-        self.watch_stage(stage)
-
-    def watch_stage(self, stage) -> None:
-        self._wrap(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk",
-                           "scale_grads"))
+        for stage in stages:
+            self._wrap(stage, ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk", "scale_grads"))
 
     def watch_schedule(self, schedule) -> None:
         self._wrap(schedule, ("_maybe_compute_loss",))
@@ -163,9 +156,7 @@ def build_schedule(runs: list, mine: list[int], stages: int, device, group, sche
     from torch.distributed import pipelining as pl
 
     pipe_stages = [pl.PipelineStage(run, s, stages, device, group=group) for run, s in zip(runs, mine)]
-    clock = StageClock(pipe_stages[0])
-    for extra in pipe_stages[1:]:
-        clock.watch_stage(extra)
+    clock = StageClock(pipe_stages)
     if len(pipe_stages) == 1:
         cls = {"gpipe": pl.ScheduleGPipe, "1f1b": pl.Schedule1F1B}[schedule]
         sched = cls(pipe_stages[0], microbatches, loss_fn=loss_fn)

@@ -66,9 +66,8 @@ class Recorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step = 0
-        device = rank_device()
-        self._cuda = device.type == "cuda"
-        self._device = device  # the sampler thread must not fall back to cuda:0
+        self._device = rank_device()  # the sampler thread must not fall back to cuda:0
+        self._cuda = self._device.type == "cuda"
         self._pending_events: list = []
         self._async: queue.SimpleQueue = queue.SimpleQueue()  # (future, record fields, t0) of async calls
         self._completer: threading.Thread | None = None
@@ -127,10 +126,8 @@ class Recorder:
             except Exception:  # a failed collective: the cell's error reports it
                 continue
             device_s = _device_seconds(work)
-            if device_s is not None:
-                self._done(base, device_s, "cuda_event")
-            else:
-                self._done(base, time.perf_counter() - t0, "wall")
+            clock = "cuda_event" if device_s is not None else "wall"
+            self._done(base, device_s if device_s is not None else time.perf_counter() - t0, clock)
 
     def _publish(self) -> None:
         if not self.publish:

@@ -112,12 +112,11 @@ def default_plan(model: nn.Module, sp: bool, mesh=None) -> dict:
     if sp and len(blocks):  # split the first block's input along the sequence, gather the last one's output
         keys = [k for k, _ in blocks.named_children()]
         first, last = f"{prefix}.{keys[0]}", f"{prefix}.{keys[-1]}"
-        split = BlockInput(Replicate(), Shard(1), local=True)
+        split, gather = BlockInput(Replicate(), Shard(1), local=True), tp_styles.block_output_style()()
         if first == last:  # one block: both on it
-            plan[first] = _both(split, tp_styles.block_output_style()())
+            plan[first] = _both(split, gather)
         else:
-            plan[first] = split
-            plan[last] = tp_styles.block_output_style()()
+            plan.update({first: split, last: gather})
     return plan
 
 
@@ -209,8 +208,7 @@ def localize_part(part: nn.Module, tp: int, width: int | None = None) -> list[st
     """Divide a sharded attention part's head counts (and, for a fused projection, the widths it
     splits by, such as GPT-2's split_size or nanoGPT's n_embd) by tp; what changed."""
     changed = []
-    attrs = HEAD_ATTRS + (WIDTH_ATTRS if width else ())
-    for attr in attrs:
+    for attr in HEAD_ATTRS + (WIDTH_ATTRS if width else ()):
         value = getattr(part, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and (attr in HEAD_ATTRS or value == width):
             setattr(part, attr, value // tp)
@@ -242,14 +240,12 @@ def check_plan(plan: dict, model: nn.Module, tp: int) -> None:
             hint = f" (modules with that last name: {', '.join(near)})" if near else ""
             raise StrategyError(f"plan entry {pattern!r} names no module of the model{hint}")
         style = plan[pattern]
-        for name in names:
-            m = modules[name]
-            if isinstance(style, (ColwiseParallel, RowwiseParallel)):
-                size = _split_size(m, style)
-                if size is not None and size % tp:
-                    dim = "output" if isinstance(style, ColwiseParallel) else "input"
-                    raise StrategyError(f"{name}: {dim} size {size} is not divisible by tp({tp}); "
-                                        f"use a tp that divides {size}")
+        for name in (names if isinstance(style, (ColwiseParallel, RowwiseParallel)) else ()):
+            size = _split_size(modules[name], style)
+            if size is not None and size % tp:
+                dim = "output" if isinstance(style, ColwiseParallel) else "input"
+                raise StrategyError(f"{name}: {dim} size {size} is not divisible by tp({tp}); "
+                                    f"use a tp that divides {size}")
     attention = parallel_attention(plan, matches)
     for name in (n for n in modules if n in attention):
         head_dim = getattr(modules[name], "head_dim", None)  # Hugging Face attention: heads from the widths
@@ -331,8 +327,7 @@ def coverage(plan: dict, model: nn.Module, sp: bool) -> tuple[list[str], list[st
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     prefix, blocks = block_list(model)
-    matched = matching(plan, model)
-    styled = {n: plan[p] for p, names in matched.items() for n in names}
+    styled = {n: plan[p] for p, names in matching(plan, model).items() for n in names}
     replicated, norms = [], []
     for key, block in blocks.named_children():
         for name, m in block.named_modules(prefix=f"{prefix}.{key}"):

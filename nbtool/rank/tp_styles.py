@@ -19,6 +19,8 @@
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import nn
 
@@ -46,16 +48,9 @@ class QKVPermutation:
 
     def __init__(self, segments: tuple[int, ...], tp: int, dim: int):
         self.segments, self.tp, self.dim = tuple(segments), tp, dim
-        order, offset = [], 0
-        starts = []
-        for s in segments:
-            starts.append(offset)
-            offset += s
-        for r in range(tp):
-            for start, s in zip(starts, segments):
-                per = s // tp
-                order.extend(range(start + r * per, start + (r + 1) * per))
-        self.order = torch.tensor(order)
+        starts = itertools.accumulate(segments, initial=0)
+        spans = [(start, s // tp) for start, s in zip(starts, segments)]  # each segment's start, its slice per rank
+        self.order = torch.tensor([start + r * per + i for r in range(tp) for start, per in spans for i in range(per)])
         self.inverse = torch.argsort(self.order)
 
     def apply(self, t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -136,9 +131,8 @@ def _hidden_arg(args, kwargs):
     """Where a block (part) gets its hidden states: ("arg", 0) or ("kw", name), or None."""
     if args:
         return ("arg", 0)
-    key = next((k for k in ("hidden_states", "x", "input", "hidden") if k in kwargs), None)
-    if key is None:
-        key = next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None)
+    key = (next((k for k in ("hidden_states", "x", "input", "hidden") if k in kwargs), None)
+           or next((k for k, v in kwargs.items() if isinstance(v, torch.Tensor)), None))
     return None if key is None else ("kw", key)
 
 

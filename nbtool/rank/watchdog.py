@@ -53,8 +53,7 @@ _HERE = os.path.dirname(__file__)
 def install(rank: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
     """Wrap the collectives, start the watch thread and the SIGUSR1 stack reporter (once)."""
     global _thread
-    _state["rank"] = rank
-    _state["timeout_s"] = timeout_s
+    _state.update(rank=rank, timeout_s=timeout_s)
     wrapped: dict = {}  # one wrapper per function: dist.isend must stay c10d.isend (P2POp checks it)
     for module, attr, name in targets():
         fn = getattr(module, attr)
@@ -99,8 +98,6 @@ def state() -> dict:
 
 
 def _wrap(name: str, fn):
-    asynchronous_name = name in ("isend", "irecv")
-
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         if getattr(_local, "depth", 0):  # a wrapper calling its replacement: counted once
@@ -115,7 +112,7 @@ def _wrap(name: str, fn):
             observer = _observer
             result = (observer(fn, name, args, kwargs) if observer is not None
                       else complete(name, fn(*args, **kwargs)))
-            if (asynchronous_name or is_async(name, kwargs)) and hasattr(result, "is_completed"):
+            if is_async(name, kwargs) and hasattr(result, "is_completed"):
                 # in flight until the work completes (seen by the next poll). Keep its description,
                 # not its tensors: holding those until then would keep freed buffers alive
                 entry.description, entry.args, entry.kwargs = describe_call(name, args, kwargs), None, None
@@ -139,10 +136,11 @@ def _describe(seq: int, entry: InFlight, now: float) -> dict:
 def main_stack() -> list[str]:
     """The main thread's Python stack, innermost last, without this module's wrapper frames."""
     frame = sys._current_frames().get(threading.main_thread().ident)
-    if frame is None:
-        return []
-    summary = [f for f in traceback.extract_stack(frame) if os.path.dirname(f.filename) != _HERE]
-    return traceback.format_list(summary)
+    return [] if frame is None else _stack(frame)
+
+
+def _stack(frame) -> list[str]:
+    return traceback.format_list([f for f in traceback.extract_stack(frame) if os.path.dirname(f.filename) != _HERE])
 
 
 def _publish(key: str, value: dict) -> None:
@@ -186,8 +184,7 @@ def _check() -> None:
 
 def _on_stack_request(signum, frame) -> None:
     """SIGUSR1: publish where this rank's main thread is (it runs Python, or the handler would not)."""
-    stack = traceback.format_list([f for f in traceback.extract_stack(frame)
-                                   if os.path.dirname(f.filename) != _HERE])
+    stack = _stack(frame)
     now = time.monotonic()
     from ..flight_recorder import read
 

@@ -52,19 +52,14 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
     if _put_back:
         _last.notes.append("put back what the previous strategy had changed process-wide: " + ", ".join(_put_back))
     if metrics:
-        import torch.distributed as dist
-
         from ..recorder import Recorder
 
-        _last.recorder = Recorder(dist.get_rank(), publish=publish)
+        _last.recorder = Recorder(_last.rank, publish=publish)
         _last.recorder.start()
     if spec.memory_timeline is not None:  # last, so it records the cell and not nbtool's set-up
-        import torch.distributed as dist
-
-        from ..bootstrap import rank_device
         from ..memory_timeline import TimelineRecorder
 
-        _last.timeline = TimelineRecorder(dist.get_rank(), rank_device(), spec.memory_timeline or None)
+        _last.timeline = TimelineRecorder(_last.rank, _last.device, spec.memory_timeline or None)
         _last.timeline.start()
     get_ipython().user_ns["strategy"] = _last
 

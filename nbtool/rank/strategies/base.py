@@ -17,6 +17,7 @@ zero_grad() act only on every Nth backward, so the loop needs no changes.
 """
 from __future__ import annotations
 
+import contextlib
 import random
 import os
 import time
@@ -153,6 +154,7 @@ class Strategy:
         if self.spec.activation_checkpointing is not None:
             self._apply_activation_checkpointing(model)
         wrapped, inner = self._wrap(model, optimizer)
+        self._set_gradient_sync(self.spec.grad_accum == 1)  # set ahead of the first forward, as backward() does
         if self.spec.compile:  # compilation happens in the first forward and backward
             from ..compile_time import CompileClock
 
@@ -225,9 +227,7 @@ class Strategy:
         optimizer state just after it (model states at their fullest). Before
         any step: what is held now.
         """
-        if self._ledger_at_step is not None:
-            return self._ledger_at_step
-        return self._make_ledger("now")
+        return self._ledger_at_step or self._make_ledger("now")
 
     def full_state_dict(self) -> dict | None:
         """The complete, unsharded model state dict on rank 0 (None on other ranks).
@@ -323,14 +323,14 @@ class Strategy:
     def _zero_grad(self, set_to_none: bool) -> None:
         self.optimizer.inner.zero_grad(set_to_none=set_to_none)
 
-    def _tally(self, tally: Tally) -> None:
+    def _tally(self, tally: Tally, offloaded: bool = False) -> None:
         """What the rank holds: the model's parameters (local shards of DTensors), their gradients,
-        optimizer.state. Strategies with partitions or offload (fsdp, zero*) say more."""
+        optimizer.state; on the host when ``offloaded`` (fsdp --offload). zero* counts DeepSpeed's buffers."""
         for p in self._plain.parameters():
-            tally.add("params", p)
+            tally.add("params", p, offloaded)
         for p in self._plain.parameters():
-            tally.add("grads", p.grad)
-        tally.add_optimizer_state(self.optimizer.inner.state)
+            tally.add("grads", p.grad, offloaded)
+        tally.add_optimizer_state(self.optimizer.inner.state, offloaded)
 
     def _make_ledger(self, when: str, only: tuple[str, ...] | None = None) -> MemoryLedger:
         tally = Tally(only)
@@ -487,12 +487,10 @@ def _optimizer_impl(opt) -> str:
 def _seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
-    try:
+    with contextlib.suppress(ImportError):
         import numpy as np
 
         np.random.seed(seed)
-    except ImportError:
-        pass
 
 
 class Description(dict):
@@ -515,8 +513,7 @@ class Description(dict):
             lines.append(f"{k.ljust(width)}  {v}")
         return "\n".join(lines)
 
-    def __repr__(self) -> str:
-        return str(self)
+    __repr__ = __str__
 
 
 def _shape_of(model: nn.Module) -> dict:

@@ -1,6 +1,8 @@
 """DDP: a full replica per rank; gradients all-reduced in buckets during backward."""
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -30,9 +32,7 @@ class DDPStrategy(Strategy):
         inner = self._plain
         if self.spec.precision in DTYPES:
             inner = Autocast(inner, self.device.type, DTYPES[self.spec.precision])
-        kwargs = {}
-        if self.spec.bucket_mb is not None:
-            kwargs["bucket_cap_mb"] = self.spec.bucket_mb
+        kwargs = {"bucket_cap_mb": self.spec.bucket_mb} if self.spec.bucket_mb is not None else {}
         self._ddp = DistributedDataParallel(
             inner,
             device_ids=[self.device.index] if self.device.type == "cuda" else None,
@@ -54,10 +54,7 @@ class DDPStrategy(Strategy):
         if self.spec.compile:  # DDP's documented order: wrap, then compile (DDPOptimizer splits at buckets)
             self._ddp.compile()
             self.compiled = ["the DDP-wrapped model (its graph split at the gradient buckets by DDPOptimizer)"]
-        self._scaler = None
-        if self.spec.precision == "fp16":
-            self._scaler = torch.amp.GradScaler(self.device.type)
-        self._set_gradient_sync(self.spec.grad_accum == 1)
+        self._scaler = torch.amp.GradScaler(self.device.type) if self.spec.precision == "fp16" else None
         return self._ddp, optimizer
 
     def _compression_hook(self):
@@ -70,10 +67,8 @@ class DDPStrategy(Strategy):
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
         kind, rank, start = chosen
-        if kind == "fp16":
-            return default_hooks.fp16_compress_hook, None
-        if kind == "bf16":
-            return default_hooks.bf16_compress_hook, None
+        if kind in ("fp16", "bf16"):
+            return getattr(default_hooks, f"{kind}_compress_hook"), None
         # error feedback and warm start (PowerSGD's defaults); vanilla all-reduce before step `start`
         self._powersgd = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=rank,
                                                      start_powerSGD_iter=start, random_seed=self.spec.seed)
@@ -120,10 +115,9 @@ class DDPStrategy(Strategy):
             from ...spec import compression
 
             kind, rank, start = compression(self.spec)
-            d["comm_hook"] = {"fp16": "default_hooks.fp16_compress_hook (gradients all-reduced in fp16)",
-                              "bf16": "default_hooks.bf16_compress_hook (gradients all-reduced in bf16)"}.get(
-                kind, f"powerSGD_hook (rank {rank}, error feedback, warm start; vanilla all-reduce before step "
-                      f"{start})")
+            d["comm_hook"] = (f"default_hooks.{kind}_compress_hook (gradients all-reduced in {kind})"
+                              if kind in ("fp16", "bf16") else f"powerSGD_hook (rank {rank}, error feedback, warm "
+                              f"start; vanilla all-reduce before step {start})")
             if kind == "powersgd" and self.model is not None:
                 before, after = powersgd_elements([tuple(p.shape) for p in self._plain.parameters()], rank)
                 d["powersgd_elements"] = {"before": before, "after": after}
@@ -140,10 +134,7 @@ def powersgd_elements(shapes: list[tuple], rank: int, min_rate: float = 2.0) -> 
     (powerSGD_hook's own rule)."""
     before = after = 0
     for shape in shapes:
-        n = shape[0] if shape else 1
-        numel = 1
-        for k in shape:
-            numel *= k
+        n, numel = (shape[0] if shape else 1), math.prod(shape)
         m = numel // n if n else 0
         r = min(n, m, rank)
         before += numel

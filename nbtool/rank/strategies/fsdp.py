@@ -11,7 +11,7 @@ import torch
 
 from ...spec import hsdp_dims
 from ..groups import hsdp_mesh, world_mesh
-from .base import Strategy, param_names, repoint_optimizer
+from .base import Strategy, StrategyError, param_names, repoint_optimizer
 from .ledger import Tally
 
 
@@ -43,8 +43,6 @@ def shard_units(model, mesh, spec, replicate_mesh=None) -> tuple[list[str], list
     whole = set(spec.replicate)
     wrap -= whole
     if type(model).__name__ in whole:
-        from .base import StrategyError
-
         raise StrategyError(f"--replicate {type(model).__name__} names the model itself; replicating the whole "
                             "model is ddp: use %%distributed ddp, or name the parts to keep whole")
     units, replicated = [], []
@@ -86,19 +84,13 @@ class FSDPStrategy(Strategy):
         self._plain = model
         repoint_optimizer(optimizer, model, groups)
         self.notes.append("optimizer param_groups re-pointed at the sharded (DTensor) parameters")
-        self._set_gradient_sync(self.spec.grad_accum == 1)
         return model, optimizer
 
     def _set_gradient_sync(self, sync: bool) -> None:
         self._plain.set_requires_gradient_sync(sync)
 
     def _tally(self, tally: Tally) -> None:
-        off = bool(self.spec.offload)
-        for p in self._plain.parameters():
-            tally.add("params", p, off)
-        for p in self._plain.parameters():
-            tally.add("grads", p.grad, off)
-        tally.add_optimizer_state(self.optimizer.inner.state, off)
+        super()._tally(tally, offloaded=bool(self.spec.offload))
 
     def _full_state_dict(self):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

@@ -126,8 +126,6 @@ class MeshStrategy(Strategy):
                                                  self.mesh["pp"].get_group(), self.schedule,
                                                  self.microbatches, self.loss_fn)
             model.register_forward_pre_hook(self._refuse_direct_forward)
-        if self.name == "fsdp" and self.pp == 1:
-            self._set_gradient_sync(self.spec.grad_accum == 1)
         return model, optimizer
 
     def _check_coverage(self, plan, model, tp_plan) -> None:
@@ -165,7 +163,7 @@ class MeshStrategy(Strategy):
         on every rank (broadcast from the last stage). Otherwise as Strategy.forward_backward."""
         if self.pp == 1:
             return super().forward_backward(inputs, targets, loss_fn)
-        from ..pipeline import check_batch
+        from ..pipeline import check_batch, scale_once
 
         if self.model is None:
             raise StrategyError("call strategy.prepare(model, optimizer, loss_fn=...) before forward_backward")
@@ -185,15 +183,12 @@ class MeshStrategy(Strategy):
         finally:
             self._in_schedule = False
         if self.virtual > 1:
-            from ..pipeline import scale_once
-
             scale_once(self._plain, self.microbatches)
         step_s = time.perf_counter() - t0
         self._micro += 1
         loss = torch.stack([x.detach().float() for x in losses]).mean() if losses else \
             torch.zeros((), device=self.device)
-        group = self.mesh["pp"].get_group()
-        dist.broadcast(loss, src=self._last_stage_rank(), group=group)
+        dist.broadcast(loss, src=self._last_stage_rank(), group=self.mesh["pp"].get_group())
         if self.recorder is not None:
             self.recorder.on_record(PipelineStep(
                 rank=self.rank, step=self._steps + 1, t=time.time(), stage=self.coords["pp"], stages=self.pp,
@@ -225,16 +220,12 @@ class MeshStrategy(Strategy):
         here: dict = {}  # id -> (parameter, its names on this stage)
         for n, p in self._plain.named_parameters(remove_duplicate=False):
             here.setdefault(id(p), (p, set()))[1].add(n)
-        ties = [set(names) for names, _ in self._tied]
-        firsts = [names[0] for names, _ in self._tied]
         grads = [p.grad for p, names in here.values() if p.grad is not None and all(
-            first in names for tie, first in zip(ties, firsts) if tie & names)]
+            tied[0] in names for tied, _ in self._tied if not names.isdisjoint(tied))]
         sums: dict = {}  # mesh dims a gradient is sharded on -> sum of squares of this rank's parts
         for g in grads:
-            key = _sharded_on(g)
-            if isinstance(g, DTensor):
-                g = g.to_local()
-            sums[key] = sums.get(key, 0.0) + g.detach().float().pow(2).sum()
+            key, local = _sharded_on(g), (g.to_local() if isinstance(g, DTensor) else g)
+            sums[key] = sums.get(key, 0.0) + local.detach().float().pow(2).sum()
         total = torch.zeros((), dtype=torch.float32, device=self.device)
         for key in sorted(sums):
             part = torch.as_tensor(sums[key], dtype=torch.float32, device=self.device).clone()
@@ -286,8 +277,8 @@ class MeshStrategy(Strategy):
     @torch.no_grad()
     def _average_over_dp(self) -> None:
         """Data-parallel replicas (tp/pp with dp > 1): average the local gradients over dp."""
-        grads = [p.grad for p in self._plain.parameters() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        local = [g.to_local() if hasattr(g, "to_local") else g
+                 for g in (p.grad for p in self._plain.parameters()) if g is not None]
         if not local:
             return
         flat = torch._utils._flatten_dense_tensors(local)

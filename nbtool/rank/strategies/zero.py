@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import Strategy
+from .base import Strategy, _optimizer_impl
 from .ledger import Tally
 from ...spec import deepspeed_config
 
@@ -118,8 +118,7 @@ class ZeroStrategy(Strategy):
             return self._engine.module.state_dict()
         import deepspeed
 
-        params = list(self._engine.module.parameters())
-        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        with deepspeed.zero.GatheredParameters(list(self._engine.module.parameters()), modifier_rank=None):
             return {k: v.detach().clone().cpu() for k, v in self._engine.module.state_dict().items()}
 
     def model_state(self, for_load: bool = False) -> dict:
@@ -186,7 +185,7 @@ class ZeroStrategy(Strategy):
         off = [k.replace("offload_", "") for k in ("offload_optimizer", "offload_param") if k in zero]
         d["offload"] = " + ".join(off) + " to cpu" if off else None
         if self.model is not None:
-            d["optimizer"] = (f"{type(self._client_opt).__module__}.{type(self._client_opt).__qualname__} "
+            d["optimizer"] = (f"{_optimizer_impl(self._client_opt)} "
                               f"(client optimizer inside {type(self._ds_opt).__name__}; no DeepSpeed C++ op)")
         d["precision"] = ("bf16 weights, fp32 master partitions" if self.config.get("bf16", {}).get("enabled")
                           else "fp16 weights, fp32 masters, dynamic loss scale" if self.config.get("fp16", {}).get("enabled")
