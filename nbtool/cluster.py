@@ -207,7 +207,7 @@ class RankCluster:
         store = launchers.store_path(self.options, self._store_dir, places)
         if self.options.rendezvous and store:
             self.check_shared(os.path.dirname(store), "--rendezvous")
-        mine = launchers.boot_id()
+        mine = bootstrap.boot_id()
         pending = [
             self.client[eid].apply_async(
                 bootstrap.init_rank,
@@ -357,7 +357,7 @@ class RankCluster:
         the engine's log then tells a native crash (faulthandler's report)
         from a process that vanished without one (a signal such as SIGKILL).
         """
-        if self.options.multi_host and rank < len(self.places) and self.places[rank].boot_id != launchers.boot_id():
+        if self.options.multi_host and rank < len(self.places) and self.places[rank].boot_id != bootstrap.boot_id():
             return "its engine stopped answering the controller (killed, or its host or the network to it lost)"
         code = (getattr(self._launcher(rank), "stop_data", None) or {}).get("exit_code")
         if code is not None and code < 0:

@@ -21,6 +21,7 @@ import sys
 from dataclasses import dataclass
 
 from .options import ClusterOptions, interface_address, interface_of
+from .rank.bootstrap import boot_id
 
 
 class LaunchError(RuntimeError):
@@ -143,15 +144,6 @@ def batch_file() -> str:
     import tempfile
 
     return os.path.join(tempfile.gettempdir(), f"nbtool-engines-{os.getpid()}.sbatch")
-
-
-def boot_id() -> str | None:
-    """This machine's boot id: engines with the same one share its processes (whatever their network)."""
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as f:
-            return f.read().strip()
-    except OSError:
-        return None
 
 
 @dataclass(frozen=True)

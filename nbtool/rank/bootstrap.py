@@ -209,14 +209,18 @@ def host_facts(ifname: str | None) -> dict:
 
     addrs = psutil.net_if_addrs()
     address = next((a.address for a in addrs.get(ifname or "", []) if a.family == socket.AF_INET), None)
-    boot = None
-    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
-        boot = f.read().strip()
     launcher_rank = next((int(os.environ[k]) for k in ("SLURM_PROCID", "OMPI_COMM_WORLD_RANK", "PMI_RANK",
                                                         "PMIX_RANK") if os.environ.get(k, "").isdigit()), None)
-    return {"hostname": socket.gethostname(), "address": address, "boot_id": boot, "pid": os.getpid(),
+    return {"hostname": socket.gethostname(), "address": address, "boot_id": boot_id(), "pid": os.getpid(),
             "launcher_rank": launcher_rank, "slurm_job": os.environ.get("SLURM_JOB_ID"),
             "interfaces": sorted(addrs)}
+
+
+def boot_id() -> str | None:
+    """This machine's boot id: engines with the same one share its processes (whatever their network)."""
+    with contextlib.suppress(OSError), open("/proc/sys/kernel/random/boot_id") as f:
+        return f.read().strip()
+    return None
 
 
 def rank_info() -> dict:

@@ -355,7 +355,7 @@ class Strategy:
         if self._checkpointed:
             d["activation_checkpointing"] = f"{len(self._checkpointed)} x {self._ac_class}"
         if self.optimizer is not None:
-            d["optimizer"] = _optimizer_impl(self.optimizer.inner)
+            d["optimizer"] = optimizer_name(self.optimizer.inner)
         if self.compiled:
             d["compile"] = f"torch.compile (inductor): {', '.join(self.compiled)}"
         if self.notes:
@@ -480,7 +480,7 @@ def autocast_forward(module: nn.Module, device_type: str, dtype: torch.dtype) ->
     module.forward = forward
 
 
-def _optimizer_impl(opt) -> str:
+def optimizer_name(opt) -> str:
     return f"{type(opt).__module__}.{type(opt).__qualname__}"
 
 

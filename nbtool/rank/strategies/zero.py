@@ -12,7 +12,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .base import Strategy, _optimizer_impl
+from .base import Strategy, optimizer_name
 from .ledger import Tally
 from ...spec import deepspeed_config
 
@@ -185,7 +185,7 @@ class ZeroStrategy(Strategy):
         off = [k.replace("offload_", "") for k in ("offload_optimizer", "offload_param") if k in zero]
         d["offload"] = " + ".join(off) + " to cpu" if off else None
         if self.model is not None:
-            d["optimizer"] = (f"{_optimizer_impl(self._client_opt)} "
+            d["optimizer"] = (f"{optimizer_name(self._client_opt)} "
                               f"(client optimizer inside {type(self._ds_opt).__name__}; no DeepSpeed C++ op)")
         d["precision"] = ("bf16 weights, fp32 master partitions" if self.config.get("bf16", {}).get("enabled")
                           else "fp16 weights, fp32 masters, dynamic loss scale" if self.config.get("fp16", {}).get("enabled")
