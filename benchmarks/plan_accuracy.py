@@ -1,6 +1,6 @@
 """How close the planner gets to what 2 CPU ranks measure, after calibrating on a different run.
 
-    python benchmarks/plan_accuracy.py [--steps 6] [--shapes tutorial,wide,deep]
+    python benchmarks/plan_accuracy.py [--steps 6] [--shapes tutorial,wide,deep] [--strategies ddp,tp]
 
 For three model shapes (the tutorial model, one wide and shallow, one narrow
 and deep) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp and pp:
@@ -50,7 +50,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--strategies", default=",".join(STRATEGIES),
+                    help="a subset to look at one term (ddp and fsdp are added: they calibrate the others)")
     a = ap.parse_args()
+    chosen = [line for line in STRATEGIES if line in a.strategies.split(",") or line in ("ddp", "fsdp")]
     import statistics
 
     import nbtool
@@ -65,12 +68,12 @@ def main() -> None:
     for shape in a.shapes.split(","):
         vocab, dim, heads, layers, seq = SHAPES[shape]
         runs, timelines = {}, {}
-        for line in STRATEGIES:
+        for line in chosen:
             for timeline in (False, True):
                 ip.run_cell(CELL.format(line=line + (" --memory-timeline" if timeline else ""), vocab=vocab,
                                         dim=dim, heads=heads, layers=layers, seq=seq, steps=a.steps)).raise_error()
                 (timelines if timeline else runs)[line] = nbtool.last_run()
-        for line in STRATEGIES:
+        for line in chosen:
             base = "fsdp" if line == "ddp" else "ddp"
             run = runs[line]
             costs.append(run_analysis.summary(timelines[line])["step_s"] / run_analysis.summary(run)["step_s"])

@@ -222,7 +222,7 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
         by_axis.setdefault(axis, {})[name] = (n, top)
     assert sorted(by_axis) == ["x", "x2"], traces  # rank 0 and rank 1 side by side
     for cats in by_axis.values():
-        # torch's categories, or (should its analysis assert anyway; see README, memory timelines) the
+        # torch's categories, or (when its analysis asserts, which it sometimes does on DDP) the
         # allocator's total with the reason printed
         assert {"parameter", "optimizer_state", "activation"} <= set(cats) or (
             set(cats) == {"uncategorised"} and "could not categorise" in lab.output_text(2)), traces

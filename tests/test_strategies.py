@@ -408,9 +408,9 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
 
     ip = ranks
     runs = {}
-    # nbtool keeps DDP's rebuilt-away buckets so torch's categorisation holds (0 of 20 failed here, 1 of
-    # 20 without); a bounded retry stays so that a torch assert nbtool cannot prevent fails only thrice
-    for attempt in range(3):
+    # torch's categorisation asserts on DDP too, in 1 to 3 of 40 rank-runs here and more often under
+    # load (README, memory timelines): a bounded retry keeps this check about nbtool
+    for attempt in range(5):
         ip.run_cell(f"%%distributed ddp --memory-timeline {tmp_path} --name ddp-mt\n_out = _run(strategy)").raise_error()
         runs["ddp"] = nbtool.last_run()
         if all(t.note == "" for t in runs["ddp"].timelines):
@@ -420,7 +420,6 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
     out = capsys.readouterr().out
     assert out.count("memory timeline (tracked tensor bytes by category") == attempt + 2, out
     ledger0 = {name: [m.ledger for m in run.memory if m.ledger and m.rank == 0][-1] for name, run in runs.items()}
-    assert "each bucket kept allocated until the cell ends" in runs["ddp"].description.details["comm_hook"]
     for name in ("ddp",):
         timelines = sorted(runs[name].timelines, key=lambda t: t.rank)
         assert [t.rank for t in timelines] == [0, 1] and all(t.note == "" for t in timelines), (name, out)

@@ -31,7 +31,6 @@ class TimelineRecorder:
         self.rank, self.device, self.export_dir = rank, device, export_dir
         self._prof = None
         self.t0 = 0.0
-        self._kept = {}  # data_ptr -> DDP bucket kept until stop (keeping_buckets)
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -44,28 +43,11 @@ class TimelineRecorder:
         self.t0 = time.time()
         self._prof.start()
 
-    def keeping_buckets(self, hook):
-        """A DDP comm hook that runs ``hook`` and keeps each bucket it is given allocated until the
-        recording stops.
-
-        Why: DDP rebuilds its buckets before the second step and the old bucket's free never reaches the
-        profiler, so when the allocator hands its address to a new tensor torch's profiler takes the two
-        for one and its categorisation asserts ("version mismatch", pytorch#167838). Here that failed
-        15 of 40 DDP rank-runs, 0 of 40 with the buckets kept. The cost: the first step's buckets (about
-        the model's gradient bytes) stay allocated until the cell ends."""
-        def keeping(state, bucket):
-            buffer = bucket.buffer()
-            self._kept.setdefault(buffer.data_ptr(), buffer)
-            return hook(state, bucket)
-
-        return keeping
-
     def stop(self) -> MemoryTimeline:
         from torch.profiler._memory_profiler import MemoryProfileTimeline
 
         prof, self._prof = self._prof, None
         prof.stop()
-        self._kept.clear()  # freed now, outside the recording
         files = []
         if self.device.type == "cuda":
             if self.export_dir:

@@ -44,17 +44,13 @@ class DDPStrategy(Strategy):
         self._python_hook = self.recorder is not None or self.spec.compress is not None
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
-        # Python hooks call dist.all_reduce: the recorder sees each bucket (compressed: its compressed bytes)
         hook, state = self._compression_hook()
-        if hook is None and self._python_hook:
+        if hook is not None:  # Python hooks call dist.all_reduce: the recorder sees the compressed bytes
+            self._ddp.register_comm_hook(state, hook)
+        elif self._python_hook:
             # the built-in C++ all-reduce is invisible from Python; this hook does the
             # same maths (divide by world size, sum) through dist.all_reduce
-            hook = default_hooks.allreduce_hook  # state None: the world
-        self._keeps_buckets = hook is not None and self.timeline is not None
-        if self._keeps_buckets:
-            hook = self.timeline.keeping_buckets(hook)
-        if hook is not None:
-            self._ddp.register_comm_hook(state, hook)
+            self._ddp.register_comm_hook(None, default_hooks.allreduce_hook)  # state None: the world
         if self.spec.compile:  # DDP's documented order: wrap, then compile (DDPOptimizer splits at buckets)
             self._ddp.compile()
             self.compiled = ["the DDP-wrapped model (its graph split at the gradient buckets by DDPOptimizer)"]
@@ -125,8 +121,6 @@ class DDPStrategy(Strategy):
             if kind == "powersgd" and self.model is not None:
                 before, after = powersgd_elements([tuple(p.shape) for p in self._plain.parameters()], rank)
                 d["powersgd_elements"] = {"before": before, "after": after}
-        if getattr(self, "_keeps_buckets", False):
-            d["comm_hook"] += "; each bucket kept allocated until the cell ends (--memory-timeline)"
         if self.spec.precision == "bf16":
             d["mixed_precision"] = "torch.autocast bf16 forward; fp32 weights, grads, all-reduce"
         elif self.spec.precision == "fp16":
