@@ -53,7 +53,10 @@ def main() -> None:
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
                     help="a subset to look at one term (ddp and fsdp are added: they calibrate the others)")
     a = ap.parse_args()
-    chosen = [line for line in STRATEGIES if line in a.strategies.split(",") or line in ("ddp", "fsdp")]
+    asked = a.strategies.split(",")
+    if unknown := sorted(set(asked) - set(STRATEGIES)):
+        ap.error(f"--strategies: {', '.join(unknown)} not among {', '.join(STRATEGIES)}")
+    chosen = [line for line in STRATEGIES if line in asked or line in ("ddp", "fsdp")]
     import statistics
 
     import nbtool
