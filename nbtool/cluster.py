@@ -280,6 +280,9 @@ class RankCluster:
         if cluster is not None:
             # the controller and its scheduler processes, to be sure none outlives a failed start
             tree = _process_tree(getattr(cluster.controller, "process", None))
+            # ipyparallel starts the controller as a session leader: its process group also holds the
+            # schedulers it forks, which a SIGTERM arriving mid-start orphans after the snapshot above
+            group = getattr(getattr(cluster.controller, "process", None), "pid", None)
             # engines and controller apart: a launcher that fails to stop (an ssh host gone) must not
             # leave the controller running
             for stop in (cluster.stop_engines_sync, cluster.stop_controller_sync):
@@ -300,6 +303,9 @@ class RankCluster:
             for p in tree:  # what stop_controller left (seen after a start sbatch refused)
                 with contextlib.suppress(Exception):
                     p.kill()
+            if group and _is_group_of(group, "ipyparallel"):
+                with contextlib.suppress(OSError):
+                    os.killpg(group, signal.SIGKILL)
 
     @property
     def running(self) -> bool:
@@ -469,6 +475,20 @@ def _process_tree(proc) -> list:
         return [root, *root.children(recursive=True)]
     except psutil.Error:
         return []
+
+
+def _is_group_of(pgid: int, marker: str) -> bool:
+    """Whether some live process in group ``pgid`` runs ``marker`` (a pid reused by a stranger's
+    group since must not be signalled)."""
+    import psutil
+
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if os.getpgid(p.pid) == pgid and marker in " ".join(p.info["cmdline"] or ()):
+                return True
+        except (OSError, psutil.Error):
+            continue
+    return False
 
 
 def _tail(path: str | None, nbytes: int = 4096) -> str:

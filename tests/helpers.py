@@ -1,6 +1,8 @@
 """Small helpers for driving a real InteractiveShell in tests."""
 from __future__ import annotations
 
+import os
+
 import psutil
 
 
@@ -28,6 +30,21 @@ BROWSER_FLAGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
+
+
+def orphan_controllers() -> list[int]:
+    """ipyparallel controller processes of this test session (its IPYTHONDIR) that neither this
+    process nor another such controller holds: what a stopped cluster left behind."""
+    mine = os.environ["IPYTHONDIR"]
+    ours = {}
+    for p in psutil.process_iter(["cmdline", "ppid"]):
+        try:
+            if "ipyparallel.controller" in " ".join(p.info["cmdline"] or ()) and \
+                    p.environ().get("IPYTHONDIR") == mine and p.status() != psutil.STATUS_ZOMBIE:
+                ours[p.pid] = p.info["ppid"]
+        except psutil.Error:
+            continue
+    return [pid for pid, parent in ours.items() if parent != os.getpid() and parent not in ours]
 
 
 def browser_dom(path, budget_ms: int = 8000) -> str:
