@@ -1,6 +1,6 @@
 """How close the planner gets to what 2 CPU ranks measure, after calibrating on a different run.
 
-    python benchmarks/plan_accuracy.py [--steps 6] [--shapes tutorial,wide,deep] [--strategies ddp,tp]
+    python benchmarks/plan_accuracy.py [--steps 6] [--shapes tutorial,wide,deep] [--strategies ddp,tp] [--dump F]
 
 For three model shapes (the tutorial model, one wide and shallow, one narrow
 and deep) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp and pp:
@@ -17,6 +17,8 @@ from that run's collectives and its achieved compute rate
 - ``plan_memory_error``: the worst |predicted - measured| / measured peak
   tensor memory (target <= 10%);
 - ``plan_time_error``: the worst step-time error (target <= 25%);
+- ``--dump F``: every run's measured and predicted terms as JSON (what
+  nbtool.plan.cpu_costs was fitted on);
 - ``memory_timeline_cost``: the median ratio of step time with
   ``--memory-timeline`` to without (the tracker's cost; it is opt-in).
 """
@@ -50,6 +52,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--dump", help="write each run's measured and predicted terms to this JSON file")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
                     help="a subset to look at one term (ddp and fsdp are added: they calibrate the others)")
     a = ap.parse_args()
@@ -61,12 +64,13 @@ def main() -> None:
 
     import nbtool
     from nbtool import run_analysis
-    from nbtool.plan.versus import calibrate, versus
+    from nbtool.plan.versus import calibrate, measured_compute_s, planner_inputs, versus
 
     ip = cluster_shell(2)
     worst = {"states": 0.0, "bytes": 0.0, "memory": 0.0, "time": 0.0}
     costs = []  # step time with --memory-timeline / without, per run
     where = {}
+    dumped = []
     print(f"{'shape':<9} {'run':<22} {'states':>8} {'bytes':>8} {'peak mem':>9} {'step':>8}  calibrated on")
     for shape in a.shapes.split(","):
         vocab, dim, heads, layers, seq = SHAPES[shape]
@@ -90,9 +94,21 @@ def main() -> None:
                 judged = row.tolerance is not None or key in ("memory", "time")
                 if row.error is not None and judged and abs(row.error) > worst[key]:
                     worst[key], where[key] = abs(row.error), f"{shape} {line}"
+            e, summ = v.estimate, run_analysis.summary(run)
+            _, mshape, training, tp, pp = planner_inputs(run)
+            dumped.append({"shape": shape, "run": line, "params": mshape.params, "tensors": len(mshape.numels),
+                           "tp": tp, "pp": pp, "tokens": training.micro_batch * (training.seq or 0) * training.grad_accum,
+                           "step_s": summ["step_s"], "comm_busy_s": summ["comm_s_per_step"], "exposed_s": summ["exposed_s_per_step"], "compute_s": measured_compute_s(run),
+                           "pred_compute_s": e.compute_s, "pred_comm_s": e.comm_s, "pred_exposed_s": e.exposed_comm_s,
+                           "pred_bubble_s": e.bubble_s, "pred_step_s": e.step_s})
             print(f"{shape:<9} {line:<22} " + " ".join(f"{c:>8}" for c in cells[:2]) + f" {cells[2]:>9} "
                   f"{cells[3]:>8}  {base}")
     ip.run_line_magic("cluster", "stop")
+    if a.dump:
+        import json
+
+        with open(a.dump, "w") as f:
+            json.dump(dumped, f, indent=1)
     for key, name, target in (("states", "plan_exact_states", 0.0), ("bytes", "plan_exact_bytes", 0.02),
                               ("memory", "plan_memory_error", 0.10), ("time", "plan_time_error", 0.25)):
         verdict = "met" if worst[key] <= target + 1e-12 else "NOT met"

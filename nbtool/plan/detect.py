@@ -25,7 +25,8 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list
                         facts["host_memory"] / per_node, facts["host_memory"], base.intra_bw, base.inter_bw,
                         base.intra_latency, base.inter_latency,
                         link=base.link if nodes == 1 else "loopback within a host, the network across",
-                        peak_flops=base.peak_flops, host_link_bw=base.host_link_bw)
+                        peak_flops=base.peak_flops, host_link_bw=base.host_link_bw,
+                        host_speed=base.host_speed)
     gpu = facts["gpus"][0]
     from ..nvml import link_summary
 

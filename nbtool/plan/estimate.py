@@ -53,7 +53,10 @@ Sources, per figure:
   (2/3 of compute) and only the excess is exposed; tensor-parallel and
   pipeline communication, pipeline bubbles ((p-1)/(m+p-1)) and offload
   transfers (device <-> host) are not hidden. Each collective costs
-  alpha + bus bytes / B from the hardware (or ``%commbench``).
+  alpha + bus bytes / B from the hardware (or ``%commbench``). On CPU
+  ranks (``Hardware.host_speed`` set) compute is the measured per-strategy
+  model of nbtool.plan.cpu_costs (FLOPs plus the host's work per parameter
+  tensor), and no communication is hidden: gloo shares the cores.
 """
 from __future__ import annotations
 
@@ -61,6 +64,7 @@ import math
 from dataclasses import dataclass, field
 
 from ..spec import bubble_fraction, first_rank_hops
+from . import cpu_costs
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
@@ -238,6 +242,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     flops = 6 * psi * tokens * (4 / 3 if t.checkpointing == "full" else 1)
     # one replica's work, split over its tp * pp devices
     e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
+    cpu = hw.host_speed is not None
+    if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
+        key = cpu_costs.cost_key(layout, t.precision)
+        e.compute_s = cpu_costs.step_s(key, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed)
     collectives = 0.0
 
     if layout.mesh:
@@ -272,7 +280,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         dp_s = _collective_s(hw, n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.comm_bus_bytes += bus_dp
         e.comm_s += dp_s
-        e.exposed_comm_s = exposed + max(0.0, dp_s - 2 / 3 * e.compute_s)
+        e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -351,5 +359,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.notes.append(f"offload moves {format_gb(moved)} per device per step over the host link")
     e.comm_bus_bytes = bus
     e.comm_s = _collective_s(hw, n, collectives, bus) if n > 1 else 0.0
-    e.exposed_comm_s = max(0.0, e.comm_s - 2 / 3 * e.compute_s)
+    # gloo's collectives on CPU ranks share the cores with compute: the recorder shows the thread
+    # blocked for about all of their time (exposed = busy for fsdp, zero1/2, tp), so none is hidden
+    e.exposed_comm_s = e.comm_s if cpu else max(0.0, e.comm_s - 2 / 3 * e.compute_s)
     return e

@@ -151,6 +151,9 @@ class Hardware:
     peak_flops: float = 312e12  # dense bf16 per device (fp32: a quarter on GPUs)
     host_link_bw: float = 25 * 1e9  # device <-> host (PCIe) bytes/s, for offload
     measured: bool = False
+    # CPU ranks: their step time outside communication over nbtool.plan.cpu_costs' reference machine's
+    # (None: devices, whose kernels hide the host's work; compute comes from peak_flops)
+    host_speed: float | None = None
 
     @property
     def devices(self) -> int:
@@ -204,5 +207,5 @@ HARDWARE_PRESETS = {
                                  link="PCIe 4.0", peak_flops=165e12),
     "2 CPU ranks (gloo)": Hardware("2 CPU ranks (gloo)", 1, 2, 24 * GiB, 24 * GiB, 1.2 * GB, 1.2 * GB,
                                    intra_latency=300e-6, inter_latency=300e-6, link="shared memory / loopback",
-                                   peak_flops=0.05e12, host_link_bw=10 * GB),
+                                   peak_flops=0.05e12, host_link_bw=10 * GB, host_speed=1.0),
 }

@@ -16,8 +16,10 @@ from dataclasses import dataclass, field, replace
 
 from .. import run_analysis
 from ..spec import StrategySpec
+from . import cpu_costs
 from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate
 from .inputs import Hardware, ModelShape, Training
+from .layouts import layout as as_layout
 from .model_states import PERSISTENCE_THRESHOLD
 
 # tolerances: exact for the ledger, 2% for bytes per step (a loss all_reduce of a few bytes rides along)
@@ -240,6 +242,11 @@ def link_seconds(run, rank: int = 0) -> dict:
     return out
 
 
+def ran_on_cpu(run) -> bool:
+    """Whether ``run``'s ranks were CPU ranks (no CUDA allocator figures, no device-timed collectives)."""
+    return all(m.cuda_peak is None for m in run.memory) and all(c.clock == "wall" for c in run.comms)
+
+
 def calibrate(run, base: Hardware | None = None) -> Hardware:
     """The Hardware ``run`` implies: its collectives' alpha-beta fit and its achieved compute rate.
 
@@ -274,13 +281,19 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     if compute and tokens:
         mixed = training.precision in ("bf16", "fp16")
         flops = 6 * shape.params * tokens * (4 / 3 if training.checkpointing == "full" else 1) / (tp * pp)
-        if pp > 1:  # the measured compute holds the bubble too; the planner adds it on top
+        if pp > 1:  # the measured compute holds the bubble too; the planner adds compute x bubble on top
             from ..spec import bubble_fraction
 
             opts = layout_options(run)
-            compute *= 1 - bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
+            compute /= 1 + bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
-        what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved)")
+        if ran_on_cpu(run):  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs)
+            key = cpu_costs.cost_key(as_layout(layout), training.precision)
+            speed = compute / cpu_costs.step_s(key, flops / 1e9, len(shape.numels) / pp)
+            hw = replace(hw, host_speed=speed)
+        what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
+                    + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's)"
+                       if hw.host_speed is not None else ")"))
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
