@@ -83,7 +83,8 @@ def main() -> None:
         for line in chosen:
             base = "fsdp" if line == "ddp" else "ddp"
             run = runs[line]
-            costs.append(run_analysis.summary(timelines[line])["step_s"] / run_analysis.summary(run)["step_s"])
+            summ = run_analysis.summary(run)
+            costs.append(run_analysis.summary(timelines[line])["step_s"] / summ["step_s"])
             run.timelines = timelines[line].timelines  # memory from the recorded run, times from the plain one
             v = versus(run, calibrate(runs[base]), f"run {base!r}")
             cells = []
@@ -94,11 +95,13 @@ def main() -> None:
                 judged = row.tolerance is not None or key in ("memory", "time")
                 if row.error is not None and judged and abs(row.error) > worst[key]:
                     worst[key], where[key] = abs(row.error), f"{shape} {line}"
-            e, summ = v.estimate, run_analysis.summary(run)
+            e = v.estimate
             _, mshape, training, tp, pp = planner_inputs(run)
             dumped.append({"shape": shape, "run": line, "params": mshape.params, "tensors": len(mshape.numels),
-                           "tp": tp, "pp": pp, "tokens": training.micro_batch * (training.seq or 0) * training.grad_accum,
-                           "step_s": summ["step_s"], "comm_busy_s": summ["comm_s_per_step"], "exposed_s": summ["exposed_s_per_step"], "compute_s": measured_compute_s(run),
+                           "tp": tp, "pp": pp,
+                           "tokens": training.micro_batch * (training.seq or 0) * training.grad_accum,
+                           "step_s": summ["step_s"], "comm_busy_s": summ["comm_s_per_step"],
+                           "exposed_s": summ["exposed_s_per_step"], "compute_s": measured_compute_s(run),
                            "pred_compute_s": e.compute_s, "pred_comm_s": e.comm_s, "pred_exposed_s": e.exposed_comm_s,
                            "pred_bubble_s": e.bubble_s, "pred_step_s": e.step_s})
             print(f"{shape:<9} {line:<22} " + " ".join(f"{c:>8}" for c in cells[:2]) + f" {cells[2]:>9} "

@@ -39,10 +39,8 @@ S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
     "tp": 1.560e-3,
     "pp": 0.752e-3,
 }
-REFERENCE = "2 gloo ranks of a 2-core x86 VM (torch 2.13 CPU)"
 
-
-def cost_key(layout: Layout, precision: str) -> str:
+def _row(layout: Layout, precision: str) -> str:
     """The S_PER_TENSOR row for ``layout``; unmeasured layouts take their nearest (tp x pp: tp's;
     fsdp grad-op: fsdp's; ZeRO with offload or in 16 bits: its stage's)."""
     if layout.mesh:
@@ -52,7 +50,7 @@ def cost_key(layout: Layout, precision: str) -> str:
     return layout.strategy
 
 
-def step_s(key: str, gflop: float, tensors: float, host_speed: float = 1.0) -> float:
+def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0) -> float:
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
-    reference's."""
-    return host_speed * (S_PER_GFLOP * gflop + S_PER_TENSOR[key] * tensors)
+    reference's, for ``gflop`` and ``tensors`` per rank."""
+    return host_speed * (S_PER_GFLOP * gflop + S_PER_TENSOR[_row(layout, precision)] * tensors)

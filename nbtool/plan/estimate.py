@@ -241,11 +241,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     tokens = t.micro_batch * seq * t.grad_accum
     flops = 6 * psi * tokens * (4 / 3 if t.checkpointing == "full" else 1)
     # one replica's work, split over its tp * pp devices
-    e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
-        key = cpu_costs.cost_key(layout, t.precision)
-        e.compute_s = cpu_costs.step_s(key, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed)
+        e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed)
+    else:
+        e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
     collectives = 0.0
 
     if layout.mesh:

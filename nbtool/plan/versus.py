@@ -288,9 +288,8 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
             compute /= 1 + bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
         if ran_on_cpu(run):  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs)
-            key = cpu_costs.cost_key(as_layout(layout), training.precision)
-            speed = compute / cpu_costs.step_s(key, flops / 1e9, len(shape.numels) / pp)
-            hw = replace(hw, host_speed=speed)
+            reference = cpu_costs.step_s(as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
+            hw = replace(hw, host_speed=compute / reference)
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
                     + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's)"
                        if hw.host_speed is not None else ")"))
