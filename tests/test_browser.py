@@ -223,7 +223,7 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
     assert sorted(by_axis) == ["x", "x2"], traces  # rank 0 and rank 1 side by side
     for cats in by_axis.values():
         # torch's categories, or (when its analysis asserts, which it sometimes does on DDP) the
-        # allocator's total with the reason printed
+        # uncategorised bytes the cell allocated, with the reason printed
         assert {"parameter", "optimizer_state", "activation"} <= set(cats) or (
             set(cats) == {"uncategorised"} and "could not categorise" in lab.output_text(2)), traces
         assert all(n > 1 and top > 0 for n, top in cats.values()), traces

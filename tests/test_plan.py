@@ -374,6 +374,12 @@ for _, (x, y) in zip(range(6), strategy.dataloader(SyntheticTokens(samples=96, s
         runs[line] = nbtool.last_run()
     hw = calibrate(runs["ddp"])
     assert hw.host_speed is not None and 0.1 < hw.host_speed < 10, hw  # CPU ranks: the host model's speed
+    # DDP's bucket all-reduces are all async, sharing the cores with backward: not the link's time, so the
+    # link stays the CPU preset's and the name says so; ZeRO-3 blocks on collectives of several sizes
+    from nbtool.plan.inputs import HARDWARE_PRESETS
+
+    assert "CPU preset" in hw.name and hw.intra_latency == HARDWARE_PRESETS["2 CPU ranks (gloo)"].intra_latency, hw
+    assert calibrate(runs["zero3"]).name.startswith("link (alpha"), calibrate(runs["zero3"]).name
     own = versus(runs["ddp"], hw, "itself").row("  compute")
     assert own.predicted == pytest.approx(own.measured, rel=1e-9)
     zero3 = versus(runs["zero3"], hw, "run 'ddp'").row("  compute")

@@ -399,10 +399,29 @@ def test_a_new_strategy_cell_frees_the_previous_deepspeed_engine(ranks):
     assert live() == [n - 1 for n in first]
 
 
+def test_uncategorised_timeline_counts_the_cells_own_blocks_only():
+    """The fallback timeline (torch cannot categorise FSDP2) is the bytes allocated while recording and
+    still held: freeing a block from before (the previous cell's model, let go when a name is rebound
+    or the collector runs) neither lowers it nor moves its peak. Real profiler, one process."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from nbtool.rank.memory_timeline import _allocator_totals
+
+    before = torch.ones(2**20)  # 4 MiB held when recording starts
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        a = torch.ones(2**18)  # 1 MiB
+        del before  # the old block goes: the allocator's total drops by 4 MiB
+        b = torch.ones(2**19)  # 2 MiB: the cell's own peak is 3 MiB
+        del a, b
+    _, rows = _allocator_totals(prof, torch.device("cpu"))
+    held = [r[0] for r in rows]
+    assert max(held) == 3 * 2**20 and min(held) >= 0 and held[-1] == 0, held
+
+
 def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, tmp_path):
     """--memory-timeline: torch.profiler's categories per rank, the optimizer state it tracks equal to
     the ledger's (a second measurement), torch's JSON written; a wrapper torch cannot categorise
-    (FSDP2 in torch 2.13) falls back to the allocator's total and says why."""
+    (FSDP2 in torch 2.13) falls back to the bytes the cell allocated and still held, and says why."""
     import nbtool
     from nbtool.widgets.memory_timeline import timeline_figure
 
@@ -437,7 +456,7 @@ def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, t
     assert len(times) == runs["ddp"].timelines[0].events and max(sum(r) for r in sizes) == max(
         runs["ddp"].timelines[0].totals())
     fsdp = runs["fsdp"].timelines
-    for t in fsdp:  # torch's categories, or (usually, under FSDP2) the allocator's total and the reason
+    for t in fsdp:  # torch's categories, or (usually, under FSDP2) the cell's own allocated bytes and the reason
         if t.note:
             assert t.categories == ["uncategorised"] and "could not categorise" in t.note and t.note in out
             assert max(t.totals()) >= ledger0["fsdp"]["params"]

@@ -9,35 +9,40 @@ term is
 
     host_speed x (S_PER_GFLOP x GFLOP per rank + S_PER_TENSOR[strategy] x parameter tensors per rank)
 
-with the constants below fitted (least squares on relative error) to 24 runs
-of ``benchmarks/plan_accuracy.py``: 3 model shapes x 8 strategies, 2 gloo
-ranks of a 2-core x86 VM, torch 2.13 CPU build, one thread per rank. There
-``host_speed`` is 1; a run on another machine calibrates it (``nbtool.plan.versus.calibrate``:
-its measured time outside communication over this model's). bf16 is not
-faster than fp32 on these CPUs (measured: the same or slower), so precision
-enters only through fsdp's own bf16 row.
+(S_PER_GFLOP_16BIT for bf16 / fp16 runs) with the constants below fitted by
+``benchmarks/fit_cpu_costs.py`` (least squares on relative error) to 48 runs
+of ``benchmarks/plan_accuracy.py``: two runs of 3 model shapes x 8
+strategies, each strategy's median of 3 interleaved runs, the time per step
+being the median of steps 2..N; 2 gloo ranks of a 2-core x86 VM (AMD EPYC),
+torch 2.13 CPU build, one thread per rank. There ``host_speed`` is 1; a run
+on another machine calibrates it (``nbtool.plan.versus.calibrate``: its
+measured time outside communication over this model's). bf16 matmuls ran
+about 2.5x faster per FLOP than fp32 on this CPU (the wide shape's fsdp: 57
+against 114 ms), hence the second FLOP rate.
 
 Fitted on models of 38-198 parameter tensors and 0.3-6 GFLOP per rank per
-step (in-sample worst error 41%, deep fsdp); a second run of the benchmark,
-out of sample and calibrated on another strategy's run, put 16 of 24 step
-times within 25% (median 16%, worst 51%), where one FLOP rate for every
-strategy had 3 of 24 (worst 510%). Outside that range it is rougher: with a
-2-sample batch of the default TinyTransformer zero3 was predicted 2x its time.
+step: in sample 43 of 48 runs within 25% (median 9%, worst 35%, deep tp).
+Fitted on the first of the two runs alone, the second, out of sample, had 18
+of 24 within 25% (median 16%, worst 44%): the same cell's time moves that
+much between runs 20 minutes apart on this machine. Outside that range it is
+rougher: with a 2-sample batch of the default TinyTransformer an earlier fit
+put zero3 at 2x its time.
 """
 from __future__ import annotations
 
 from .layouts import Layout
 
-S_PER_GFLOP = 24.1e-3  # forward + backward, 6 Psi tokens; about 41 GFLOP/s per rank
+S_PER_GFLOP = 15.9e-3  # forward + backward, 6 Psi tokens, fp32; about 63 GFLOP/s per rank
+S_PER_GFLOP_16BIT = 6.24e-3  # in bf16 / fp16 (FSDP's MixedPrecisionPolicy): about 160 GFLOP/s per rank
 S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
-    "ddp": 0.343e-3,
-    "zero1": 0.507e-3,
-    "zero2": 0.417e-3,
-    "zero3": 1.919e-3,
-    "fsdp": 1.563e-3,
-    "fsdp bf16": 1.643e-3,
-    "tp": 1.560e-3,
-    "pp": 0.752e-3,
+    "ddp": 0.104e-3,
+    "zero1": 0.187e-3,
+    "zero2": 0.174e-3,
+    "zero3": 0.543e-3,
+    "fsdp": 0.497e-3,
+    "fsdp bf16": 0.606e-3,
+    "tp": 0.505e-3,
+    "pp": 0.294e-3,
 }
 
 def _row(layout: Layout, precision: str) -> str:
@@ -53,4 +58,5 @@ def _row(layout: Layout, precision: str) -> str:
 def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0) -> float:
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
     reference's, for ``gflop`` and ``tensors`` per rank."""
-    return host_speed * (S_PER_GFLOP * gflop + S_PER_TENSOR[_row(layout, precision)] * tensors)
+    per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP
+    return host_speed * (per_gflop * gflop + S_PER_TENSOR[_row(layout, precision)] * tensors)

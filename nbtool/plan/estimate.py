@@ -9,7 +9,8 @@ Sources, per figure:
   ``--grad-as-bucket-view``); FSDP holds gathered units as buffers
   (2 units: the current one and the prefetched one; all of them between
   forward and backward without resharding) plus, in a unit's backward, its
-  unsharded gradients and their reduce-scatter input. For ZeRO in mixed precision,
+  unsharded gradients and their reduce-scatter input (on gloo, CPU ranks, a flat
+  copy of the unit's gather and reduce-scatter too). For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
@@ -310,6 +311,9 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # in a unit's backward FSDP2 also holds its unsharded gradients (param dtype) and their copy
         # into the reduce-scatter input (reduce dtype): measured on CPU ranks, 2 units were 20-50% short
         staging = (w + g) * unit
+        if cpu:  # gloo copies a unit's gather and its reduce-scatter into a flat buffer of the whole unit each,
+            # held by the collective's Work (measured on the issuing thread, torch 2.13)
+            staging += (w + g) * unit
         if not layout.reshard:
             e.device["buffers"] = w * psi + staging  # every unit stays gathered from forward to backward
             bus += within * sharded * (w + g)

@@ -210,13 +210,24 @@ def _zero_config(run) -> dict:
     return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
 
 
+def typical_step(run, key: str = "seconds") -> float | None:
+    """The median over steps 2..N on rank 0 of ``key`` (a step_table column: ``seconds``, ``compute_s``).
+
+    The planner models a steady step. Measured on 2 CPU ranks, 3 of 12 six-step runs had a step at
+    3-6x the others (a host stall, DDP's bucket rebuild), which moved the run's mean of 5 steps by up
+    to 85%, and every prediction calibrated on that run with it. The median leaves such steps out.
+    """
+    compiled = {int(step) for step, _ in run.description.compile}  # as run_analysis.summary leaves them out
+    steps = [s for s in run_analysis.step_table(run, 0) if s["step"] not in compiled] or run_analysis.step_table(run, 0)
+    return statistics.median(s[key] for s in steps) if steps else None
+
+
 def measured_compute_s(run) -> float | None:
-    """Mean seconds per step on rank 0 outside communication (steps 2..N)."""
-    steps = run_analysis.step_table(run, 0)
-    return statistics.fmean(s["compute_s"] for s in steps) if steps else None
+    """Seconds per step on rank 0 outside communication: the median of steps 2..N."""
+    return typical_step(run, "compute_s")
 
 
-def link_seconds(run, rank: int = 0) -> dict:
+def link_seconds(run, rank: int = 0, blocking_only: bool = False) -> dict:
     """Bus bytes -> seconds on the link of each of ``rank``'s wall-timed collectives.
 
     An async collective's issue-to-completion time (DDP's buckets, FSDP's
@@ -225,12 +236,16 @@ def link_seconds(run, rank: int = 0) -> dict:
     fitted as they are, DDP's buckets gave alpha 5-13 ms against 0.1-0.2 ms.
     So each one counts from the later of the last rank's issue and the end of
     the previous one of its group (its size stands for the group) to its end.
+    ``blocking_only``: only the collectives the thread blocked on (calibrate's
+    choice on CPU ranks, where an async one shares the cores with the compute
+    it overlaps: DDP's buckets took 6-9 ms "alone" where a blocking all-reduce
+    of the same size took 2-6 ms).
     """
     last_issue: dict = {}
     for c in run.comms:
         last_issue[c.seq, c.op] = max(last_issue.get((c.seq, c.op), c.t_issue), c.t_issue)
-    mine = sorted((c for c in run.comms if c.rank == rank and c.clock == "wall" and c.seconds > 0 and c.bus_bytes > 0),
-                  key=lambda c: c.t_issue)
+    mine = sorted((c for c in run.comms if c.rank == rank and c.clock == "wall" and c.seconds > 0 and c.bus_bytes > 0
+                   and not (blocking_only and c.asynchronous)), key=lambda c: c.t_issue)
     busy_until: dict = {}  # group size -> end of its latest collective
     out: dict = {}
     for c in mine:
@@ -253,15 +268,21 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     Link: a weighted least-squares fit of seconds = alpha + bus bytes / B over
     the median time per size of the run's wall-timed collectives, each timed on
     the link alone (``link_seconds``; the slope between the smallest and
-    largest size where the fit comes out negative). Compute: peak_flops such that the planner's compute
+    largest size where the fit comes out negative); on CPU ranks only the collectives the thread
+    blocked on, and where fewer than 2 sizes remain (DDP: all async) the CPU preset's link, named as
+    such. Compute: peak_flops such that the planner's compute
     term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
     outside communication. The returned Hardware's name says which of the two the run measured.
     """
     from ..commbench import fit_alpha_beta
+    from .inputs import HARDWARE_PRESETS
 
+    cpu = ran_on_cpu(run)
+    if base is None and cpu:  # measured on this kind of machine: the link where the run cannot fit it
+        base = replace(HARDWARE_PRESETS["2 CPU ranks (gloo)"], devices_per_node=run.world_size, measured=False)
     hw = base or Hardware("this machine", 1, run.world_size, 0.0, 0.0, 1e9, 1e9)
     what = []  # the figures this run measured, named in hw.name
-    by_size = link_seconds(run)
+    by_size = link_seconds(run, blocking_only=cpu)
     if len(by_size) >= 2:  # one median per size: a few slow calls (a straggler, a page fault) do not steer it
         sizes = sorted(by_size)
         times = [statistics.median(by_size[k]) for k in sizes]
@@ -272,6 +293,9 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
             bw = (sizes[-1] - sizes[0]) / max(times[-1] - times[0], 1e-9)
         hw = replace(hw, intra_latency=alpha, inter_latency=alpha, intra_bw=bw, inter_bw=bw, measured=True)
         what.append(f"link (alpha {alpha * 1e6:.0f} us, B {bw / 1e9:.2f} GB/s)")
+    elif cpu:
+        what.append(f"link: the CPU preset's (alpha {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s; "
+                    "the run blocked on fewer than 2 sizes of collective)")
     compute = measured_compute_s(run)
     try:
         layout, shape, training, tp, pp = planner_inputs(run)
@@ -287,7 +311,7 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
             opts = layout_options(run)
             compute /= 1 + bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
-        if ran_on_cpu(run):  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs)
+        if cpu:  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs)
             reference = cpu_costs.step_s(as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
             hw = replace(hw, host_speed=compute / reference)
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
@@ -334,13 +358,16 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
-    step_s = summary["step_s"] or None
-    rows.append(Row("step time", step_s, e.step_s, "s", "wall time on rank 0, mean of steps 2..N",
+    step_s = typical_step(run) or None
+    mean_s = summary["step_s"]
+    stalls = f" (mean {mean_s * 1e3:.1f} ms: some steps stalled)" if step_s and mean_s > 1.1 * step_s else ""
+    rows.append(Row("step time", step_s, e.step_s, "s", f"wall time on rank 0, median of steps 2..N{stalls}",
                     TOLERANCE["step time"]))
     rows.append(Row("  compute", measured_compute_s(run), e.compute_s + e.bubble_s, "s",
-                    "step time minus comm busy time" + (" (bubble included)" if pp > 1 else "")))
-    rows.append(Row("  exposed comm", summary["exposed_s_per_step"], e.exposed_comm_s, "s",
-                    "thread blocked on collectives" if summary["exposed_s_per_step"] is not None
+                    "step time minus comm busy time, median" + (" (bubble included)" if pp > 1 else "")))
+    exposed = typical_step(run, "exposed_s") if summary["exposed_s_per_step"] is not None else None
+    rows.append(Row("  exposed comm", exposed, e.exposed_comm_s, "s",
+                    "thread blocked on collectives, median" if exposed is not None
                     else "not observable here (DDP's reducer waits in C++; CUDA ranks time the device)"))
     if pp > 1:
         bubble = run_analysis.bubble_table(run)
@@ -348,10 +375,11 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
         rows.append(Row("  bubble", measured, e.bubble_s, "s", "pipeline stages' idle time, mean over stages"))
     tokens = training.micro_batch * (training.seq or 0) * training.grad_accum * e.dp
     if tokens and step_s:
-        rows.append(Row("throughput", tokens / step_s, tokens / e.step_s, "tokens/s", "tokens per step / step time"))
+        rows.append(Row("throughput", tokens / step_s, tokens / e.step_s, "tokens/s",
+                        "tokens per step / median step time"))
         flops = 6 * shape.params * tokens / run.world_size
         rows.append(Row("achieved FLOP/s per rank", flops / step_s, flops / e.step_s, "FLOP/s",
-                        "estimate: 6 Psi per token / step time"))
+                        "estimate: 6 Psi per token / median step time"))
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)

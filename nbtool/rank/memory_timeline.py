@@ -62,8 +62,8 @@ class TimelineRecorder:
             names, rows = categories(), [row[1:] for row in sizes]
         except Exception as e:  # torch's data-flow analysis asserts on some wrappers (FSDP2's, torch 2.13)
             note = (f"torch's memory profiler could not categorise this run ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0][:80]}); the allocator's running total only, less what it held "
-                    "before the cell")
+                    f"{str(e).splitlines()[0][:80]}); uncategorised: the bytes the cell allocated and still "
+                    "held, at each allocation and free")
             times, rows = _allocator_totals(prof, self.device)
             names = ["uncategorised"]
         if self.export_dir:  # torch's memory-timeline JSON: [times in us, [[0, bytes by category...]]]
@@ -88,18 +88,33 @@ def categories() -> list[str]:
 
 
 def _allocator_totals(prof, device) -> tuple[list, list]:
-    """(times in us, [[bytes]]) from the profiler's allocation events on ``device``: the allocator's
-    running total after each allocation or free, less what it held when the cell began."""
+    """(times in us, [[bytes]]) from the profiler's allocation events on ``device``: the bytes allocated
+    while it recorded and not yet freed, after each allocation or free.
+
+    Frees of blocks allocated before the cell (the previous cell's model and optimizer state, let go
+    when the cell rebinds their names, or whenever the garbage collector reaches FSDP2's reference
+    cycles) are not counted: subtracted from the allocator's running total, they had moved the
+    measured peak by up to their size from one identical run to the next.
+    """
     from torch._C._profiler import _EventType
 
     events = [e for root in prof.profiler.kineto_results.experimental_event_tree() for e in _walk(root)
               if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type]
     events.sort(key=lambda e: e.start_time_ns)
-    if not events:
-        return [], []
-    # the running total is the whole process's: count from what was allocated before the cell began
-    base = events[0].extra_fields.total_allocated - events[0].extra_fields.alloc_size
-    return [e.start_time_ns // 1000 for e in events], [[e.extra_fields.total_allocated - base] for e in events]
+    live: dict = {}  # address -> bytes, for the blocks allocated while recording
+    held, times, rows = 0, [], []
+    for e in events:
+        f = e.extra_fields
+        if f.alloc_size > 0:
+            live[f.ptr] = f.alloc_size
+            held += f.alloc_size
+        elif f.ptr in live:
+            held -= live.pop(f.ptr)
+        else:
+            continue  # a block from before the cell
+        times.append(e.start_time_ns // 1000)
+        rows.append([held])
+    return times, rows
 
 
 def _walk(event):
