@@ -84,15 +84,13 @@ def main() -> None:
     if a.repeat < 1 or a.steps < 2:
         ap.error("--repeat must be >= 1 and --steps >= 2 (step 1 holds the set-up and is left out)")
     chosen = [line for line in STRATEGIES if line in asked or line in ("ddp", "fsdp")]
+    import os
     import statistics
 
     import nbtool
     from nbtool import run_analysis
-    from nbtool.plan.versus import _peak_tensors, calibrate, measured_compute_s, planner_inputs, typical_step, versus
-
-    import os
-
     from nbtool.metrics import export, load
+    from nbtool.plan.versus import calibrate, measured_compute_s, peak_tensors, planner_inputs, typical_step, versus
 
     ip = None if a.load else cluster_shell(2)
     worst = {"states": 0.0, "bytes": 0.0, "memory": 0.0, "time": 0.0, "single": 0.0}
@@ -123,7 +121,7 @@ def main() -> None:
         for line in chosen:
             costs += [typical_step(t) / typical_step(r) for r, t in zip(runs[line], timelines[line])]
         median_time = {line: _median_run(runs[line], typical_step) for line in chosen}
-        median_peak = {line: _median_run(timelines[line], lambda r: _peak_tensors(r)[0] or 0) for line in chosen}
+        median_peak = {line: _median_run(timelines[line], lambda r: peak_tensors(r)[0] or 0) for line in chosen}
         for line in chosen:
             other = "fsdp" if a.base == "ddp" else "ddp"
             base = other if line == a.base else a.base
@@ -139,11 +137,11 @@ def main() -> None:
                 judged = row.tolerance is not None or key in ("memory", "time")
                 if row.error is not None and judged and abs(row.error) > worst[key]:
                     worst[key], where[key] = abs(row.error), f"{shape} {line}"
-            singles = [versus(r, hw, f"run {base!r}").row("step time").error for r in runs[line]]
-            if max(map(abs, singles)) > worst["single"]:
-                worst["single"], where["single"] = max(map(abs, singles)), f"{shape} {line}"
+            singles = []  # every single run's step-time error, with the same calibration
             for r in runs[line]:
-                e = versus(r, hw, f"run {base!r}").estimate
+                single = v if r is run else versus(r, hw, f"run {base!r}")
+                singles.append(single.row("step time").error)
+                e = single.estimate
                 _, mshape, training, tp, pp = planner_inputs(r)
                 summ = run_analysis.summary(r)
                 dumped.append({"shape": shape, "run": line, "median": r is run, "params": mshape.params,
@@ -155,6 +153,8 @@ def main() -> None:
                                "pred_comm_s": e.comm_s, "pred_exposed_s": e.exposed_comm_s,
                                "pred_bubble_s": e.bubble_s, "pred_step_s": e.step_s,
                                "host_speed": hw.host_speed})
+            if max(map(abs, singles)) > worst["single"]:
+                worst["single"], where["single"] = max(map(abs, singles)), f"{shape} {line}"
             print(f"{shape:<9} {line:<22} " + " ".join(f"{c:>8}" for c in cells[:2]) + f" {cells[2]:>9} "
                   f"{cells[3]:>8}  {min(singles):+7.1%}..{max(singles):+.1%}  {base}")
     if ip is not None:

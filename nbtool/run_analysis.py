@@ -99,14 +99,20 @@ def peak_rss(run: RunRecords, rank: int) -> int:
     return max((m.peak_rss or m.rss for m in run.memory if m.rank == rank), default=0)
 
 
+def steady_steps(run: RunRecords, rank: int = 0) -> list[dict]:
+    """``step_table`` without the steps in which torch.compile compiled (--compile), unless that is all."""
+    compiled = {int(step) for step, _ in run.description.compile}
+    table = step_table(run, rank)
+    return [s for s in table if s["step"] not in compiled] or table
+
+
 def summary(run: RunRecords) -> dict:
     """The comparison row for a run (rank 0 for per-step figures, all ranks for memory).
 
     Under --compile, ``compile_s`` is the seconds torch.compile spent, and steps in which it
     compiled are left out of the per-step figures (step 1 always is: step_table starts at 2).
     """
-    compiled = {int(step) for step, _ in run.description.compile}
-    steps = [s for s in step_table(run, 0) if s["step"] not in compiled] or step_table(run, 0)
+    steps = steady_steps(run)
     ranks = range(run.world_size)
     ledgers = {r: peak_ledger(run, r) for r in ranks}
     ops = sorted({op for s in steps for op in s["bytes_by_op"]})

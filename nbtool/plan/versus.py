@@ -217,8 +217,7 @@ def typical_step(run, key: str = "seconds") -> float | None:
     3-6x the others (a host stall, DDP's bucket rebuild), which moved the run's mean of 5 steps by up
     to 85%, and every prediction calibrated on that run with it. The median leaves such steps out.
     """
-    compiled = {int(step) for step, _ in run.description.compile}  # as run_analysis.summary leaves them out
-    steps = [s for s in run_analysis.step_table(run, 0) if s["step"] not in compiled] or run_analysis.step_table(run, 0)
+    steps = run_analysis.steady_steps(run)
     return statistics.median(s[key] for s in steps) if steps else None
 
 
@@ -354,7 +353,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("bus bytes / step", summary["bus_bytes_per_step"] or None, e.comm_bus_bytes, "B",
                     f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
                     TOLERANCE["bus bytes / step"] if not mesh else None))
-    peak, source, parts = _peak_tensors(run)
+    peak, source, parts = peak_tensors(run)
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
@@ -385,7 +384,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
 
 
-def _peak_tensors(run) -> tuple[float | None, str, dict]:
+def peak_tensors(run) -> tuple[float | None, str, dict]:
+    """(peak tensor bytes of the busiest rank or None, what they are, their categories at that peak)."""
     cuda = [m.cuda_peak for m in run.memory if m.cuda_peak is not None]
     if cuda:
         return max(cuda), "CUDA allocator peak (max_memory_allocated), max rank", {}
