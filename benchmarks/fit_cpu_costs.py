@@ -1,7 +1,8 @@
-"""Refit nbtool.plan.cpu_costs on this machine from a ``plan_accuracy.py --dump`` file.
+"""Refit nbtool.plan.cpu_costs on this machine from ``plan_accuracy.py`` runs.
 
-    python benchmarks/plan_accuracy.py --dump runs.json
+    python benchmarks/plan_accuracy.py --dump runs.json --save runs/
     python benchmarks/fit_cpu_costs.py runs.json[,more_runs.json] [--check other_runs.json] [--all-runs]
+    python benchmarks/fit_cpu_costs.py --links runs/[,more_runs/] [--check other_runs/]
 
 The model (see nbtool/plan/cpu_costs.py): seconds per step outside
 communication = S_PER_GFLOP (S_PER_GFLOP_16BIT for bf16 runs) x GFLOP per rank
@@ -13,6 +14,16 @@ measured time holds its bubble: it is taken out as the planner adds it back
 (compute x bubble). Prints the constants in cpu_costs' form and the in-sample
 errors; ``--check`` prints the errors of the fitted model on another dump
 (out of sample).
+
+``--links``: the in-training collective table (cpu_costs.COLLECTIVES) from
+the runs ``--save`` wrote. Per run, op and size: each step's mean time of the
+collectives the rank-0 thread blocked on (the planner adds them up per step),
+the median over steps 2..N; per op and size the median over runs; then a
+weighted alpha-beta fit per op (nbtool.commbench.fit_alpha_beta). ZeRO-3's
+fetches (all-gathers issued ahead and waited on) get their own row, fitted by
+least squares on the relative error to each zero3 run's median step of
+(fetches, bus bytes, seconds waited). ``--check``: each op's median relative
+error on other runs' points (out of sample).
 """
 from __future__ import annotations
 
@@ -62,12 +73,100 @@ def report(title: str, errs: list[tuple[str, float]]) -> None:
           f"{sum(m <= 0.25 for m in mags)} of {len(mags)} within 25%")
 
 
+def _link_points(dirs: str) -> tuple[dict, list]:
+    """({op: {bus bytes: [a run's median step mean seconds, ...]}}, [(fetches, bus bytes, seconds) per zero3
+    run]) from the runs saved in ``dirs`` (joined by commas)."""
+    import glob
+    import os
+    from collections import defaultdict
+
+    from nbtool.metrics import load
+
+    blocking: dict = defaultdict(lambda: defaultdict(list))
+    fetches = []
+    for d in dirs.split(","):
+        for path in sorted(glob.glob(os.path.join(d, "*_plain.json"))):
+            run = load(path)
+            last = max(m.step for m in run.steps if m.rank == 0)
+            per_step: dict = defaultdict(lambda: defaultdict(list))  # (op, size) -> step -> seconds
+            waited = {}  # async all-gather seq -> its step
+            for c in run.comms:
+                if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
+                    continue
+                if not c.asynchronous:
+                    per_step[c.op, c.bus_bytes][c.step].append(c.seconds)
+                elif c.op == "all_gather" and run.strategy == "zero3":
+                    waited[c.seq] = c
+            for (op, size), steps in per_step.items():
+                blocking[op][size].append(statistics.median(statistics.fmean(v) for v in steps.values()))
+            if waited:
+                steps = defaultdict(lambda: [0, 0.0, 0.0])
+                for c in waited.values():
+                    steps[c.step][0] += 1
+                    steps[c.step][1] += c.bus_bytes
+                for w in run.waits:
+                    if w.rank == 0 and w.seq in waited:
+                        steps[waited[w.seq].step][2] += w.seconds
+                fetches.append(tuple(statistics.median(s[i] for s in steps.values()) for i in range(3)))
+    return blocking, fetches
+
+
+def fit_links(blocking: dict, fetches: list) -> dict:
+    """{op: (alpha, B)}; ZeRO-3's fetches under nbtool.plan.estimate.ZERO3_FETCH."""
+    from nbtool.commbench import fit_alpha_beta
+    from nbtool.plan.estimate import ZERO3_FETCH
+
+    out = {}
+    for op in ("all_reduce", "all_gather", "reduce_scatter"):
+        sizes = sorted(blocking.get(op, {}))
+        if len(sizes) >= 2:
+            f = fit_alpha_beta("broadcast", 2, sizes, [statistics.median(blocking[op][s]) for s in sizes])
+            out[op] = (f.alpha_s, f.bus_bandwidth)
+    if len(fetches) >= 2:
+        a = np.array([[n / t, b / t] for n, b, t in fetches])
+        (alpha, inv_bw), *_ = np.linalg.lstsq(a, np.ones(len(fetches)), rcond=None)
+        out[ZERO3_FETCH] = (float(alpha), 1 / float(inv_bw) if inv_bw > 0 else float("inf"))
+    return out
+
+
+def check_links(links: dict, blocking: dict, fetches: list) -> None:
+    from nbtool.plan.estimate import ZERO3_FETCH
+
+    for op, (alpha, bw) in links.items():
+        if op == ZERO3_FETCH:
+            errs = [(n * alpha + b / bw) / t - 1 for n, b, t in fetches]
+        else:
+            errs = [(alpha + s / bw) / t - 1 for s, ts in blocking.get(op, {}).items() for t in ts]
+        if errs:
+            print(f"  {op}: median |error| {statistics.median(map(abs, errs)):.1%}, "
+                  f"{sum(abs(e) <= 0.25 for e in errs)} of {len(errs)} within 25%, range {min(errs):+.0%}..{max(errs):+.0%}")
+
+
+def main_links(dirs: str, check: str | None) -> None:
+    links = fit_links(*_link_points(dirs))
+    print("COLLECTIVES = {")
+    for op, (alpha, bw) in links.items():
+        print(f'    "{op}": ({alpha * 1e6:.0f}e-6, {bw / 1e9:.3f}e9),')
+    print("}")
+    print("in sample (each run's median step, per op and size):")
+    check_links(links, *_link_points(dirs))
+    if check:
+        print("out of sample:")
+        check_links(links, *_link_points(check))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("dump", help="one --dump file, or several joined by commas")
-    ap.add_argument("--check", help="another dump: the fitted model's errors there (out of sample)")
+    ap.add_argument("dump", nargs="?", help="one --dump file, or several joined by commas")
+    ap.add_argument("--links", metavar="DIR", help="fit cpu_costs.COLLECTIVES from the runs plan_accuracy --save wrote")
+    ap.add_argument("--check", help="another dump (with --links: runs directory): the fitted model's errors "
+                    "there (out of sample)")
     ap.add_argument("--all-runs", action="store_true", help="fit every run, not each strategy's median run")
     a = ap.parse_args()
+    if a.links:
+        return main_links(a.links, a.check)
+    if not a.dump:
+        ap.error("give a --dump file, or --links DIR")
     points = [p for path in a.dump.split(",") for p in _points(path, a.all_runs)]
     per_gflop, per_tensor = fit(points)
     print(f"S_PER_GFLOP = {per_gflop[0] * 1e3:.3g}e-3  # about {1 / per_gflop[0]:.0f} GFLOP/s per rank")

@@ -94,6 +94,7 @@ def main() -> None:
 
     ip = None if a.load else cluster_shell(2)
     worst = {"states": 0.0, "bytes": 0.0, "memory": 0.0, "time": 0.0, "single": 0.0}
+    time_errors = []  # every median run's step-time error
     costs = []  # step time with --memory-timeline / without, per run
     where = {}
     dumped = []
@@ -137,6 +138,7 @@ def main() -> None:
                 judged = row.tolerance is not None or key in ("memory", "time")
                 if row.error is not None and judged and abs(row.error) > worst[key]:
                     worst[key], where[key] = abs(row.error), f"{shape} {line}"
+            time_errors.append(v.row("step time").error)
             singles = []  # every single run's step-time error, with the same calibration
             for r in runs[line]:
                 single = v if r is run else versus(r, hw, f"run {base!r}")
@@ -170,6 +172,9 @@ def main() -> None:
         extra = (f"; the worst single run of {a.repeat}: {worst['single']:.3f} ({where.get('single', '-')})"
                  if key == "time" else "")
         print(f"{name}={worst[key]:.3f} (worst: {where.get(key, '-')}); target <= {target:g}: {verdict}{extra}")
+    mags = sorted(abs(x) for x in time_errors)
+    print(f"step time of the median runs: {sum(m <= 0.25 for m in mags)} of {len(mags)} within 25%, "
+          f"median |error| {statistics.median(mags):.1%}")
     print(f"memory_timeline_cost=x{statistics.median(costs):.2f} step time (spread x{min(costs):.2f}..x{max(costs):.2f};"
           " opt-in, so not part of metrics_overhead)")
 

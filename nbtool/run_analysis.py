@@ -40,8 +40,11 @@ def step_table(run: RunRecords, rank: int = 0) -> list[dict]:
             by_op[c.op] += c.size_bytes
         duration = cur.t - prev.t
         comm_s = busy_seconds([(c.t_issue, c.t_issue + c.seconds) for c in cs], prev.t, cur.t)
-        rows.append({"step": cur.step, "seconds": duration, "comm_s": comm_s,
-                     "exposed_s": exposed_seconds(cs, waits, prev.t, cur.t),
+        exposed = exposed_seconds(cs, waits, prev.t, cur.t)
+        rows.append({"step": cur.step, "seconds": duration, "comm_s": comm_s, "exposed_s": exposed,
+                     # each op's own blocked time (a union per op: ops blocked on at once would count twice)
+                     "exposed_by_op": None if exposed is None else {
+                         op: exposed_seconds([c for c in cs if c.op == op], waits, prev.t, cur.t) for op in by_op},
                      "comm_summed_s": sum(c.seconds for c in cs),
                      "compute_s": max(0.0, duration - comm_s), "bytes_by_op": dict(by_op),
                      "bus_bytes": sum(c.bus_bytes for c in cs), "count": len(cs),

@@ -83,6 +83,25 @@ def test_the_planner_takes_each_link_from_its_own_sweep(tmp_path):
     assert one.intra_bw == pytest.approx(4e9) and one.inter_bw == 1.0  # a plain sweep within a node
 
 
+def test_each_op_a_sweep_fitted_keeps_its_own_link():
+    """Within a node every op %commbench fitted is that op's link (gloo's reduce-scatter is slower per bus
+    byte than its all-gather); an op it did not sweep takes the generic (all_reduce) link."""
+    from nbtool.plan.inputs import Hardware
+
+    res = _fitted("", [0, 1], 20e-6, 4e9)
+    sizes = [2**k for k in range(10, 20, 3)]
+    slow = [[{"op": "reduce_scatter", "count": s // 4, "size_bytes": s, "dtype": "float32", "rank": r,
+              "seconds": 50e-6 + bus_factor("reduce_scatter", 2) * s / 1e9, "wrong": 0, "clock": "wall",
+              "samples": [50e-6 + bus_factor("reduce_scatter", 2) * s / 1e9]} for s in sizes] for r in (0, 1)]
+    res.fits.update(CommbenchResult.from_rank_rows(slow, backend="gloo", ranks=[0, 1], dtype="float32", iters=1,
+                                                   warmup=0, inplace=False).fits)
+    hw = Hardware("1 host", 1, 2, 1e9, 1e9, 1.0, 1.0).with_commbench(res)
+    assert hw.bandwidth(2, "reduce_scatter") == pytest.approx((50e-6, 1e9))
+    assert hw.bandwidth(2, "all_gather") == pytest.approx((20e-6, 4e9)) == hw.bandwidth(2)
+    assert hw.collective_s("reduce_scatter", 2, 3, 2e9) == pytest.approx(3 * 50e-6 + 2.0)
+    assert hw.bandwidth(4, "reduce_scatter") == (hw.inter_latency, hw.inter_bw)  # across nodes: the network
+
+
 def test_nodes_and_devices_per_node_come_from_where_the_ranks_run():
     from nbtool.launchers import Place
     from nbtool.plan.detect import hardware_from_facts

@@ -341,6 +341,54 @@ def test_link_seconds_take_out_the_queue_and_the_last_rank_to_issue():
     assert times[500] == [pytest.approx(0.001)]  # nothing ahead of it: its own time
 
 
+def test_collectives_are_counted_per_op_as_the_strategies_issue_them():
+    """Each op's count is what the strategy issues a step (measured with the recorder on 2 CPU ranks):
+    FSDP one reduce-scatter and two all-gathers per unit (a unit per block and the root's), ZeRO-3 one
+    all-gather per parameter tensor (its fetches, on their own link) and one scalar all-reduce; the time
+    is count x alpha + bytes / B on each op's own link."""
+    from nbtool.plan.cpu_costs import COLLECTIVES
+    from nbtool.plan.estimate import ZERO3_FETCH
+
+    hw = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    numels = (128,) * 38 + (16384,) * 16 + (65536,) * 8
+    m = ModelShape(sum(numels), layers=4, hidden=128, heads=4, vocab=256, seq=32, numels=numels)
+    t = Training(micro_batch=8, seq=32, precision="fp32")
+    fsdp = estimate("fsdp", m, t, hw)
+    counts = {c.op: c.count for c in fsdp.comms}
+    assert counts == {"reduce_scatter": 5, "all_gather": 10}
+    zero3 = estimate("zero3", m, t, hw)
+    fetch = next(c for c in zero3.comms if c.op == "all_gather")
+    assert fetch.count == len(numels) and fetch.link == ZERO3_FETCH
+    assert sum(c.bus_bytes for c in zero3.comms) == pytest.approx(zero3.comm_bus_bytes)
+    alpha, bw = COLLECTIVES[ZERO3_FETCH]
+    assert zero3.comm_s_by_op(hw)["all_gather"] == pytest.approx(len(numels) * alpha + fetch.bus_bytes / bw)
+    assert zero3.comm_s == pytest.approx(sum(zero3.comm_s_by_op(hw).values()))
+    rs = HARDWARE_PRESETS["2 CPU ranks (gloo)"].bandwidth(2, "reduce_scatter")
+    assert rs == COLLECTIVES["reduce_scatter"] and rs != hw.bandwidth(2)  # gloo's reduce-scatter: its own
+
+
+def test_calibration_fits_an_op_its_run_timed_in_enough_sizes():
+    """A run's blocking collectives of one op in 3 sizes spanning 4x give that op's link; an op timed in
+    fewer sizes keeps the base's (two sizes of one op do not tell latency from bandwidth in training)."""
+    from nbtool.metrics import CommRecord, RunRecords
+    from nbtool.plan.cpu_costs import COLLECTIVES
+    from nbtool.plan.versus import calibrate
+
+    run = RunRecords("r", "fsdp", 2, 0.0)
+    t, seq = 10.0, 0
+    for size in (1e5, 4e5, 1.6e6) * 3:
+        for rank in (0, 1):
+            run.comms.append(CommRecord(rank, seq, "all_gather", int(size), size, 2, "float32", t,
+                                        700e-6 + size / 2e9, "wall", 1))
+            run.comms.append(CommRecord(rank, seq + 1, "reduce_scatter", int(size), size if size < 1e6 else 4e5, 2,
+                                        "float32", t + 0.01, 5e-3, "wall", 1))
+        t, seq = t + 0.02, seq + 2
+    hw = calibrate(run)
+    assert hw.bandwidth(2, "all_gather") == pytest.approx((700e-6, 2e9), rel=1e-6)
+    assert hw.bandwidth(2, "reduce_scatter") == COLLECTIVES["reduce_scatter"]  # 2 sizes: the CPU table's
+    assert "all_gather (alpha 700 us, B 2.00 GB/s)" in hw.name and hw.measured
+
+
 def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parallelism():
     """Korthikanti's table 2: t-way tp keeps s b h (10 + 24/t) per layer (16-bit, fused attention),
     with sequence parallelism s b h 34 / t; a run without --sp is predicted without it."""
@@ -387,3 +435,7 @@ for _, (x, y) in zip(range(6), strategy.dataloader(SyntheticTokens(samples=96, s
     assert zero3.predicted > 1.5 * own.predicted and zero3.measured > 1.5 * own.measured, (zero3, own)
     # a single run here moves by up to 50% from the next: a factor-2 band, not plan_accuracy's 25%
     assert 0.5 < zero3.predicted / zero3.measured < 2.0, zero3
+    # the planner counts ZeRO-3's fetches as DeepSpeed issues them (one all-gather per parameter tensor) and
+    # puts each op's blocked time next to its prediction
+    fetches = versus(runs["zero3"], hw, "run 'ddp'").row("    all_gather")
+    assert fetches.measured > 0 and fetches.predicted > 0 and "the planner counts" not in fetches.note, fetches

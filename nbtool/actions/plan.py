@@ -119,7 +119,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
             cal, name = state.calibration
             hw = replace(hw, intra_latency=cal.intra_latency, intra_bw=cal.intra_bw, peak_flops=cal.peak_flops,
                          host_speed=cal.host_speed if hw.host_speed is not None else None,
-                         measured=True)
+                         op_links=cal.op_links, measured=True)
             measured.append(f"{cal.name} from run {name!r}")
         if state.commbench is not None and "all_reduce" in state.commbench.fits:
             hw = hw.with_commbench(state.commbench)

@@ -55,7 +55,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     e, hw = result.estimate, result.hardware
     out = []
     summary = run_analysis.summary(run)
-    alpha, _ = hw.bandwidth(run.world_size)
+    alpha, _ = hw.bandwidth(run.world_size, "all_reduce")
     if spec.name == "ddp":
         buckets = measure(run, "collectives / step")
         grads_mb = 4 * shape.params / 2**20

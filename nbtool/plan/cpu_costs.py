@@ -45,6 +45,20 @@ S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
     "pp": 0.294e-3,
 }
 
+# What each collective costs 2 gloo CPU ranks in training, per op: (alpha s, bus bytes/s), fitted by
+# ``benchmarks/fit_cpu_costs.py --links`` on the median time per size of every collective the rank-0
+# thread blocked on (from the later of both ranks' issue) in one plan_accuracy run of every shape and
+# strategy. A quiet %commbench sweep of the same machine gives alpha 0.3 ms, B 1.2 GB/s: in training
+# each collective also waits for the other rank, which arrives later by a jittery step of host work.
+# gloo's reduce-scatter is an all-reduce plus flat copies: twice the time per bus byte of an all-gather.
+COLLECTIVES = {
+    "all_reduce": (805e-6, 1.001e9),
+    "all_gather": (1149e-6, 0.939e9),
+    "reduce_scatter": (1533e-6, 0.432e9),
+    "all_gather (ZeRO-3 fetch)": (546e-6, 0.682e9),
+}
+
+
 def _row(layout: Layout, precision: str) -> str:
     """The S_PER_TENSOR row for ``layout``; unmeasured layouts take their nearest (tp x pp: tp's;
     fsdp grad-op: fsdp's; ZeRO with offload or in 16 bits: its stage's)."""

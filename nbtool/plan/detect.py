@@ -26,7 +26,7 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list
                         base.intra_latency, base.inter_latency,
                         link=base.link if nodes == 1 else "loopback within a host, the network across",
                         peak_flops=base.peak_flops, host_link_bw=base.host_link_bw,
-                        host_speed=base.host_speed)
+                        host_speed=base.host_speed, op_links=base.op_links)
     gpu = facts["gpus"][0]
     from ..nvml import link_summary
 

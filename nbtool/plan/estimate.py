@@ -49,12 +49,23 @@ Sources, per figure:
   the activations' dtype);
   pipelines 2 sends of s b h per micro-batch per stage boundary (16-bit, or
   fp32 without mixed precision).
+- collectives per step, per op (``Estimate.comms``; each pays alpha once),
+  as the recorder counts them: DDP one all-reduce per 25 MB bucket; FSDP per
+  unit (one per block plus the root's) one reduce-scatter and one all-gather
+  (two when resharded after forward); ZeRO-1/2 one all-reduce per
+  reduce_bucket_size and one all-gather per allgather_bucket_size; ZeRO-3
+  one all-gather per parameter tensor each time it is fetched (70 a step for
+  the tutorial model's 70 tensors: measured) and one reduce-scatter per
+  bucket; every ZeRO stage one scalar all-reduce (the overflow check).
 - time: compute = 6 Psi tokens (x 4/3 with full recomputation) / (peak
   FLOPs x 40% utilisation); data-parallel communication overlaps backward
   (2/3 of compute) and only the excess is exposed; tensor-parallel and
   pipeline communication, pipeline bubbles ((p-1)/(m+p-1)) and offload
-  transfers (device <-> host) are not hidden. Each collective costs
-  alpha + bus bytes / B from the hardware (or ``%commbench``). On CPU
+  transfers (device <-> host) are not hidden. Each op costs count x alpha
+  + bus bytes / B on its own link where the hardware has one
+  (``Hardware.op_links``: ``%commbench``'s fit per op; on CPU ranks the
+  in-training table nbtool.plan.cpu_costs.COLLECTIVES, ZeRO-3's fetches a
+  row of their own), else the node's link. On CPU
   ranks (``Hardware.host_speed`` set) compute is the measured per-strategy
   model of nbtool.plan.cpu_costs (FLOPs plus the host's work per parameter
   tensor), and no communication is hidden: gloo shares the cores.
@@ -81,8 +92,25 @@ REDUCE_BUCKET = 500_000_000
 # DeepSpeed's default stage3_max_reuse_distance and stage3_max_live_parameters: ZeRO-3 keeps parameters
 # gathered in forward for backward while the partitioned ones add up to at most this many elements
 REUSE_LIMIT = 1_000_000_000
+# a pipeline's point-to-point traffic: the recorder's send and recv records together
+P2P = "send/recv"
+# the op link of ZeRO-3's parameter fetches (all-gathers issued ahead and waited on), where it has its own
+ZERO3_FETCH = "all_gather (ZeRO-3 fetch)"
+# DeepSpeed's default allgather_bucket_size (elements): ZeRO-1/2 gather the updated partitions in buckets of this
+ALLGATHER_BUCKET = 500_000_000
 DEFAULT_SEQ = 2048
 
+
+
+@dataclass(frozen=True)
+class Comm:
+    """``count`` collectives ``op`` over ``group`` devices per optimizer step, ``bus_bytes`` in all."""
+
+    op: str
+    group: int
+    count: float
+    bus_bytes: float
+    link: str = ""  # the Hardware op link they take, where it is not the op's own (falls back to the op's)
 
 
 @dataclass
@@ -104,6 +132,25 @@ class Estimate:
     micro_batch: int = 1
     micro_batches: int = 1
     notes: list = field(default_factory=list)
+    comms: list = field(default_factory=list)  # Comm per op and group: what comm_s and comm_bus_bytes add up
+
+    def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "") -> float:
+        """Count ``count`` collectives ``op`` of ``bus_bytes`` in all; returns their seconds on ``hw``."""
+        if group < 2 or count <= 0:
+            return 0.0
+        self.comms.append(Comm(op, group, count, bus_bytes, link))
+        seconds = hw.collective_s(link or op, group, count, bus_bytes, fallback=op)
+        self.comm_bus_bytes += bus_bytes
+        self.comm_s += seconds
+        return seconds
+
+    def comm_s_by_op(self, hw: Hardware) -> dict:
+        """op -> predicted seconds per step on ``hw``."""
+        out: dict = {}
+        for c in self.comms:
+            out[c.op] = out.get(c.op, 0.0) + hw.collective_s(c.link or c.op, c.group, c.count, c.bus_bytes,
+                                                             fallback=c.op)
+        return out
 
     @property
     def device_total(self) -> float:
@@ -204,11 +251,6 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     return m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
 
 
-def _collective_s(hw: Hardware, group: int, count: float, bus_bytes: float) -> float:
-    alpha, bw = hw.bandwidth(group)
-    return count * alpha + bus_bytes / bw
-
-
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
@@ -247,7 +289,6 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed)
     else:
         e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
-    collectives = 0.0
 
     if layout.mesh:
         shard = (psi - whole) / (tp * pp) + whole / pp  # ``whole``: what tp leaves whole on every tp rank
@@ -259,8 +300,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
             bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * (2 if mixed else 4) * t.grad_accum
-            e.comm_s += _collective_s(hw, tp, 4 * layers_here * t.grad_accum, bus_tp)
-            e.comm_bus_bytes += bus_tp
+            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, bus_tp)
             e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
         if pp > 1:
             s, b, h = seq, t.micro_batch, m.hidden
@@ -270,17 +310,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 # next (the recorder counts both ends), in the activations' dtype
                 hops = first_rank_hops(pp, virtual, schedule)
                 p2p = 2 * micro * s * b * h * (2 if mixed else 4) * hops
-                e.comm_s += _collective_s(hw, 2, 2 * micro * hops, p2p)
-                e.comm_bus_bytes += p2p
+                e.add_comm(hw, P2P, 2, 2 * micro * hops, p2p)  # sends and receives, as the recorder counts
             bubble = bubble_fraction(pp, micro, schedule, virtual)
             e.bubble_s = e.compute_s * bubble
             formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
             e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} with m={micro} micro-batches "
                            "(raise --grad-accum to shrink it)")
         exposed = e.comm_s
-        dp_s = _collective_s(hw, n * tp * pp, 1, bus_dp) if n > 1 else 0.0
-        e.comm_bus_bytes += bus_dp
-        e.comm_s += dp_s
+        dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
         return e
 
@@ -297,17 +334,25 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
-        bus = 2 * frac * psi * g * compress
-        collectives = math.ceil(psi * g / DDP_BUCKET)
+        e.add_comm(hw, "all_reduce", n, math.ceil(psi * g / DDP_BUCKET), 2 * frac * psi * g * compress)
     elif layout.is_fsdp:
         w = 2 if mixed else 4
         unit = largest if not m.layers else max(largest, 12 * (m.hidden or 0) ** 2)
         sharded = psi - whole
         within = (shard - 1) / shard if shard > 1 else 0.0
         replicas = n // shard
-        # gathers and reduce-scatters within the shard group; under HSDP the gradient shards are then
-        # all-reduced across the replicas; modules kept whole all-reduce their gradients over every device
-        bus = 2 * (replicas - 1) / replicas * g * sharded / shard + 2 * frac * g * whole
+        # a unit per block and the root's (embeddings, head, final norm) where the blocks are known
+        units = (m.layers + 1) if m.layers else 1
+        # gathers and reduce-scatters within the shard group, one per unit (two gathers a unit when it is
+        # resharded after forward); under HSDP the gradient shards are then all-reduced across the
+        # replicas; modules kept whole all-reduce their gradients over every device
+        e.add_comm(hw, "reduce_scatter", shard, units, within * sharded * g)
+        e.add_comm(hw, "all_gather", shard, units * (2 if layout.reshard else 1),
+                   within * sharded * w * (2 if layout.reshard else 1))
+        if replicas > 1:
+            e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
+        if whole:
+            e.add_comm(hw, "all_reduce", n, 1, 2 * frac * g * whole)
         # in a unit's backward FSDP2 also holds its unsharded gradients (param dtype) and their copy
         # into the reduce-scatter input (reduce dtype): measured on CPU ranks, 2 units were 20-50% short
         staging = (w + g) * unit
@@ -316,12 +361,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             staging += (w + g) * unit
         if not layout.reshard:
             e.device["buffers"] = w * psi + staging  # every unit stays gathered from forward to backward
-            bus += within * sharded * (w + g)
-            collectives = 2 * (m.layers or 1)
         else:
             e.device["buffers"] = 2 * w * unit + staging  # the current unit and the prefetched one
-            bus += within * sharded * (2 * w + g)
-            collectives = 3 * (m.layers or 1)
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:
@@ -344,25 +385,34 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 e.host = psi * 18 * 1.5 / hw.nodes
         e.device["buffers"] = e.device.get("buffers", 0) + reduce_bucket * g  # the contiguous reduce bucket
         w = 2 if mixed else 4
+        buckets = math.ceil(psi / reduce_bucket)
         if stage < 3:  # gradients all-reduced (DeepSpeed's bucket all-reduce), updated partitions gathered
-            bus = frac * psi * (2 * g + w)
+            e.add_comm(hw, "all_reduce", n, buckets, 2 * frac * psi * g)
+            e.add_comm(hw, "all_gather", n, math.ceil(psi / ALLGATHER_BUCKET), frac * psi * w)
         else:  # tensors at most the persistence threshold stay whole: gathered once, after the step
-            persistent = sum(k for k in m.numels if k <= persistence_threshold)
-            gathered = psi - persistent
+            persistent = [k for k in m.numels if k <= persistence_threshold]
+            gathered = psi - sum(persistent)
             # measured: gathered once when they fit the reuse limit (kept for backward), else twice
             regather = gathered > reuse_limit or not m.numels
-            bus = frac * (g * psi + (2 if regather else 1) * w * gathered + w * persistent)
+            e.add_comm(hw, "reduce_scatter", n, buckets, frac * psi * g)
+            # one all-gather per parameter tensor each time it is fetched (measured: 70 a step for the
+            # tutorial model's 70 tensors); without the tensors' sizes, 2 a layer
+            fetches = ((2 if regather else 1) * (len(m.numels) - len(persistent)) + len(persistent)
+                       if m.numels else 2 * (m.layers or 1))
+            # issued ahead (prefetched) and waited on: their own link where known (CPU ranks, measured)
+            e.add_comm(hw, "all_gather", n, fetches, frac * ((2 if regather else 1) * w * gathered + w * sum(persistent)),
+                       link=ZERO3_FETCH)
             if not regather:
                 e.device["buffers"] += w * gathered / n * (n - 1)  # the others' shards, kept gathered
-        collectives = 2 if stage < 3 else 3 * (m.layers or 1)
+        # DeepSpeed's one scalar all-reduce a step (the gradients' overflow check; measured: 4 bytes,
+        # 8 in stage 3), as slow as a small all-reduce can be on CPU ranks
+        e.add_comm(hw, "all_reduce", n, 1, 2 * frac * (8 if stage == 3 else 4))
         if layout.offload:
             moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device
             if layout.offload == "both":
                 moved += 2 * 2 * psi / n  # parameters fetched from the host for forward and backward
             e.offload_s = moved / hw.host_link_bw
             e.notes.append(f"offload moves {format_gb(moved)} per device per step over the host link")
-    e.comm_bus_bytes = bus
-    e.comm_s = _collective_s(hw, n, collectives, bus) if n > 1 else 0.0
     # gloo's collectives on CPU ranks share the cores with compute: the recorder shows the thread
     # blocked for about all of their time (exposed = busy for fsdp, zero1/2, tp), so none is hidden
     e.exposed_comm_s = e.comm_s if cpu else max(0.0, e.comm_s - 2 / 3 * e.compute_s)

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from .cpu_costs import COLLECTIVES
+
 GB = 1e9
 GiB = 2**30
 
@@ -154,21 +156,39 @@ class Hardware:
     # CPU ranks: their step time outside communication over nbtool.plan.cpu_costs' reference machine's
     # (None: devices, whose kernels hide the host's work; compute comes from peak_flops)
     host_speed: float | None = None
+    # per-op links within a node, ((op, alpha, B), ...), where an op costs more than the generic link
+    # gives: gloo's reduce-scatter is an all-reduce plus flat copies; CPU ranks in training pay more
+    # latency per collective than a quiet sweep (nbtool.plan.cpu_costs.COLLECTIVES); %commbench's own fits
+    op_links: tuple = ()
 
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
 
-    def bandwidth(self, group: int) -> tuple[float, float]:
-        """(alpha, B) for a collective over ``group`` devices: within a node or across nodes."""
+    def bandwidth(self, group: int, op: str | None = None, fallback: str | None = None) -> tuple[float, float]:
+        """(alpha, B) for a collective ``op`` over ``group`` devices: within a node the op's own link
+        where one is known (else ``fallback``'s, else the node's), across nodes the inter-node link."""
         if group <= self.devices_per_node:
-            return self.intra_latency, self.intra_bw
+            links = {o: (a, b) for o, a, b in self.op_links}
+            return links.get(op) or links.get(fallback) or (self.intra_latency, self.intra_bw)
         return self.inter_latency, self.inter_bw
+
+    def collective_s(self, op: str, group: int, count: float, bus_bytes: float, fallback: str | None = None) -> float:
+        """Seconds for ``count`` collectives ``op`` over ``group`` devices moving ``bus_bytes`` in all:
+        count x alpha + bus bytes / B."""
+        alpha, bw = self.bandwidth(group, op, fallback)
+        return count * alpha + bus_bytes / bw
+
+    def with_op_links(self, links: dict) -> "Hardware":
+        """This hardware with ``links`` ({op: (alpha, B)}) replacing those ops' own links."""
+        kept = tuple(x for x in self.op_links if x[0] not in links)
+        return replace(self, op_links=kept + tuple((op, a, b) for op, (a, b) in sorted(links.items())))
 
     def with_commbench(self, result) -> "Hardware":
         """Use %commbench all_reduce fits (alpha, bus B) for the links they measured: each link's
         own part of a sweep across hosts (CommbenchLinks), else the one result's link, else the
-        intra-node link when its ranks fit in a node."""
+        intra-node link when its ranks fit in a node. Within a node every op the sweep fitted
+        (all_gather, reduce_scatter, ...) also becomes that op's own link."""
         parts = [r for r in result.parts if "all_reduce" in r.fits]
         if not parts:
             raise ValueError("the commbench result has no all_reduce fit; run %commbench all_reduce over several sizes")
@@ -180,6 +200,9 @@ class Hardware:
             intra = r.link == "intra-host" or (not r.link and len(r.ranks) <= self.devices_per_node)
             if intra:
                 hw = replace(hw, intra_latency=fit.alpha_s, intra_bw=fit.bus_bandwidth, measured=True)
+                # every op the sweep fitted keeps its own link (all_reduce's is the generic one)
+                hw = hw.with_op_links({op: (f.alpha_s, f.bus_bandwidth) for op, f in r.fits.items()
+                                       if 0 < f.bus_bandwidth < float("inf") and f.alpha_s >= 0})
             else:
                 hw = replace(hw, inter_latency=fit.alpha_s, inter_bw=fit.bus_bandwidth, measured=True)
         return hw
@@ -195,7 +218,8 @@ class Hardware:
 
 # Documented defaults (approximate busbw of a large all_reduce, as nccl-tests reports):
 # A100 NVLink3 ~230 GB/s, H100 NVLink4 ~360 GB/s, PCIe 4.0 x16 ~20 GB/s, HDR InfiniBand
-# 200 Gb/s per GPU ~23 GB/s; 2 gloo CPU ranks on one host ~1.2 GB/s (measured here).
+# 200 Gb/s per GPU ~23 GB/s; 2 gloo CPU ranks on one host ~1.2 GB/s (a quiet sweep, measured here;
+# in training each op costs more: its own link, from nbtool.plan.cpu_costs.COLLECTIVES).
 HARDWARE_PRESETS = {
     "8x A100-40GB NVLink": Hardware("8x A100-40GB NVLink", 1, 8, 40 * GiB, 1024 * GiB, 230 * GB, 23 * GB,
                                     link="NVLink3", peak_flops=312e12),
@@ -207,5 +231,6 @@ HARDWARE_PRESETS = {
                                  link="PCIe 4.0", peak_flops=165e12),
     "2 CPU ranks (gloo)": Hardware("2 CPU ranks (gloo)", 1, 2, 24 * GiB, 24 * GiB, 1.2 * GB, 1.2 * GB,
                                    intra_latency=300e-6, inter_latency=300e-6, link="shared memory / loopback",
-                                   peak_flops=0.05e12, host_link_bw=10 * GB, host_speed=1.0),
+                                   peak_flops=0.05e12, host_link_bw=10 * GB, host_speed=1.0,
+                                   op_links=tuple((op, a, b) for op, (a, b) in COLLECTIVES.items())),
 }

@@ -226,8 +226,9 @@ def measured_compute_s(run) -> float | None:
     return typical_step(run, "compute_s")
 
 
-def link_seconds(run, rank: int = 0, blocking_only: bool = False) -> dict:
-    """Bus bytes -> seconds on the link of each of ``rank``'s wall-timed collectives.
+def link_seconds(run, rank: int = 0, blocking_only: bool = False, by_op: bool = False) -> dict:
+    """Bus bytes (``by_op``: (op, bus bytes)) -> seconds on the link of each of ``rank``'s wall-timed
+    collectives.
 
     An async collective's issue-to-completion time (DDP's buckets, FSDP's
     reduce-scatters) also holds its wait behind the previous one on its group
@@ -252,7 +253,36 @@ def link_seconds(run, rank: int = 0, blocking_only: bool = False) -> dict:
         start = max(last_issue[c.seq, c.op], busy_until.get(c.group_size, c.t_issue))
         busy_until[c.group_size] = max(busy_until.get(c.group_size, end), end)
         # ended before the one ahead of it did (gloo's worker threads ran both at once): its own time
-        out.setdefault(c.bus_bytes, []).append(end - start if end > start else c.seconds)
+        key = (c.op, c.bus_bytes) if by_op else c.bus_bytes
+        out.setdefault(key, []).append(end - start if end > start else c.seconds)
+    return out
+
+
+# the ops whose own link a run can fit (send/recv and broadcast take the generic link)
+OWN_LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+
+
+def op_links(run, blocking_only: bool) -> dict:
+    """{op: (alpha, B)} fitted from ``run``'s own collectives of each op in OWN_LINK_OPS that it timed
+    in at least 3 sizes spanning 4x or more, where the fit is sound (alpha >= 0, B > 0).
+
+    Fewer sizes do not tell latency from bandwidth in training: an FSDP run's all-gathers of 140 and
+    400 kB (its root unit and its blocks) took 1.9 and 1.1 ms; one tutorial fsdp run's alpha, fitted
+    through the base link's bandwidth, came out at 0.3 ms where 54 runs pooled give 0.63 ms (and
+    ZeRO-3's 70 fetches a step wait 0.6-0.9 ms each). Such ops keep the base's link."""
+    from ..commbench import fit_alpha_beta
+
+    per_op: dict = {}
+    for (op, size), secs in link_seconds(run, blocking_only=blocking_only, by_op=True).items():
+        if op in OWN_LINK_OPS:
+            per_op.setdefault(op, {})[size] = statistics.median(secs)
+    out = {}
+    for op, points in per_op.items():
+        sizes = sorted(points)
+        if len(sizes) >= 3 and sizes[-1] >= 4 * sizes[0]:
+            fit = fit_alpha_beta("broadcast", run.world_size, sizes, [points[s] for s in sizes])  # bus bytes
+            if fit.alpha_s >= 0 and 0 < fit.bus_bandwidth < float("inf"):
+                out[op] = (fit.alpha_s, fit.bus_bandwidth)
     return out
 
 
@@ -269,7 +299,9 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     the link alone (``link_seconds``; the slope between the smallest and
     largest size where the fit comes out negative); on CPU ranks only the collectives the thread
     blocked on, and where fewer than 2 sizes remain (DDP: all async) the CPU preset's link, named as
-    such. Compute: peak_flops such that the planner's compute
+    such. Each of all_reduce, all_gather and reduce_scatter the run timed also gets its own link
+    (``op_links``); the others keep the base's (on CPU ranks, the in-training table of
+    nbtool.plan.cpu_costs.COLLECTIVES). Compute: peak_flops such that the planner's compute
     term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
     outside communication. The returned Hardware's name says which of the two the run measured.
     """
@@ -295,6 +327,10 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     elif cpu:
         what.append(f"link: the CPU preset's (alpha {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s; "
                     "the run blocked on fewer than 2 sizes of collective)")
+    if own := op_links(run, blocking_only=cpu):
+        hw = replace(hw.with_op_links(own), measured=True)
+        what.append("per op: " + ", ".join(f"{op} (alpha {a * 1e6:.0f} us, B {b / 1e9:.2f} GB/s)"
+                                           for op, (a, b) in sorted(own.items())))
     compute = measured_compute_s(run)
     try:
         layout, shape, training, tp, pp = planner_inputs(run)
@@ -368,6 +404,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("  exposed comm", exposed, e.exposed_comm_s, "s",
                     "thread blocked on collectives, median" if exposed is not None
                     else "not observable here (DDP's reducer waits in C++; CUDA ranks time the device)"))
+    if exposed is not None and e.exposed_comm_s >= e.comm_s - 1e-12:  # every collective predicted exposed
+        rows += _op_rows(run, e, hw)
     if pp > 1:
         bubble = run_analysis.bubble_table(run)
         measured = statistics.fmean(b["idle_s"] for b in bubble) if bubble else None
@@ -382,6 +420,40 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
+
+
+def _op_rows(run, e: Estimate, hw: Hardware) -> list:
+    """Per op: blocked seconds per step (median over steps 2..N) next to count x alpha + bytes / B, with
+    the counts when they differ (the term of the model that is off)."""
+    from .estimate import P2P
+
+    named = lambda op: P2P if op in ("send", "recv") else op  # the planner counts both ends as one
+    steps = run_analysis.steady_steps(run)
+    predicted = e.comm_s_by_op(hw)
+    counts: dict = {}
+    for c in e.comms:
+        counts[c.op] = counts.get(c.op, 0) + c.count
+    per_step = []  # (seconds, count) by op, per step
+    for s in steps:
+        got: dict = {}
+        for op, n in s["count_by_op"].items():
+            seconds, count = got.get(named(op), (0.0, 0))
+            got[named(op)] = (seconds + ((s["exposed_by_op"] or {}).get(op) or 0.0), count + n)
+        per_step.append(got)
+    rows = []
+    for op in sorted(set(predicted) | {op for got in per_step for op in got}):
+        measured = statistics.median(got.get(op, (0.0, 0))[0] for got in per_step) if per_step else None
+        n = statistics.median(got.get(op, (0.0, 0))[1] for got in per_step) if per_step else 0
+        if op not in counts:
+            rows.append(Row(f"    {op}", measured, None, "s", "blocked on it, median; not in the planner's model"
+                            f" ({n:g} a step: the cell's or nbtool's own)"))
+            continue
+        alpha, bw = hw.bandwidth(run.world_size, next((c.link for c in e.comms if c.op == op and c.link), op), op)
+        note = f"{n:g} a step measured, the planner counts {counts[op]:g}" if abs(n - counts[op]) > 0.5 else ""
+        rows.append(Row(f"    {op}", measured, predicted[op], "s",
+                        f"blocked on it, median; model: {counts[op]:g} x alpha {alpha * 1e6:.0f} us + bytes / "
+                        f"B {bw / 1e9:.2f} GB/s", note=note))
+    return rows
 
 
 def peak_tensors(run) -> tuple[float | None, str, dict]:
