@@ -158,7 +158,7 @@ class MemoryTimeline:
     Tracked tensor bytes (torch.profiler's memory profile: every tensor
     allocated and freed while the cell ran, categorised by what the profiler
     saw it used as), not allocator or RSS figures. ``times`` are seconds since
-    the profiler started; ``bytes`` holds one list per category in
+    ``t0``, the wall-clock time of the first memory event; ``bytes`` holds one list per category in
     ``categories`` order, aligned with ``times`` (downsampled, keeping each
     interval's highest total, so the peak survives). ``files`` lists what was
     written for other tools (torch's memory-timeline JSON; on CUDA ranks the
@@ -167,7 +167,7 @@ class MemoryTimeline:
 
     rank: int
     device: str
-    t0: float  # time.time() when recording started
+    t0: float  # time.time() of the first memory event (the profiler's clock)
     times: list = field(default_factory=list)
     categories: list = field(default_factory=list)  # torch.profiler's Category names, lower case; "unknown"
     bytes: list = field(default_factory=list)

@@ -8,9 +8,9 @@ Sources, per figure:
   gradient buckets (a second copy of the gradients unless
   ``--grad-as-bucket-view``); FSDP holds gathered units as buffers
   (2 units: the current one and the prefetched one; all of them between
-  forward and backward without resharding) plus, in a unit's backward, its
-  unsharded gradients and their reduce-scatter input (on gloo, CPU ranks, a flat
-  copy of the unit's gather and reduce-scatter too). For ZeRO in mixed precision,
+  forward and backward without resharding), at the peak: backward's start,
+  every activation alive (a unit's unsharded gradients and their
+  reduce-scatter input come as its activations go). For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
@@ -353,16 +353,13 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
         if whole:
             e.add_comm(hw, "all_reduce", n, 1, 2 * frac * g * whole)
-        # in a unit's backward FSDP2 also holds its unsharded gradients (param dtype) and their copy
-        # into the reduce-scatter input (reduce dtype): measured on CPU ranks, 2 units were 20-50% short
-        staging = (w + g) * unit
-        if cpu:  # gloo copies a unit's gather and its reduce-scatter into a flat buffer of the whole unit each,
-            # held by the collective's Work (measured on the issuing thread, torch 2.13)
-            staging += (w + g) * unit
+        # at the peak (backward's start, every activation alive) FSDP2 holds the unit being computed and
+        # the one prefetched; a unit's unsharded gradients and their reduce-scatter copy come later, as
+        # that unit's activations go (CPU ranks, once the timeline saw gloo's frees: within 8%)
         if not layout.reshard:
-            e.device["buffers"] = w * psi + staging  # every unit stays gathered from forward to backward
+            e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
         else:
-            e.device["buffers"] = 2 * w * unit + staging  # the current unit and the prefetched one
+            e.device["buffers"] = 2 * w * unit  # the current unit and the prefetched one
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:

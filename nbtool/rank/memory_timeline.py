@@ -8,6 +8,11 @@ so the timeline does too. On CUDA ranks the caching allocator's own history
 (``torch.cuda.memory._record_memory_history``) is recorded as well, and its
 snapshot written next to the timeline for pytorch.org/memory_viz.
 
+The profiler records no free made on a thread it does not follow, and gloo's
+workers let go there of what a collective or a send held: such blocks are
+taken as freed when their work ended (``_free_times``), else a timeline on CPU
+ranks creeps up by each step's collective buffers.
+
 Opt-in: under the profiler with its Python tracer a step takes about x1.2-1.3
 as long here (up to x2.5; benchmarks/plan_accuracy.py prints it), and working
 out the categories afterwards takes about as long as the cell ran.
@@ -48,6 +53,7 @@ class TimelineRecorder:
 
         prof, self._prof = self._prof, None
         prof.stop()
+        alive = python_tensor_addresses()  # what a send used and Python still holds was not freed
         files = []
         if self.device.type == "cuda":
             if self.export_dir:
@@ -58,20 +64,23 @@ class TimelineRecorder:
         note = ""
         try:
             timeline = MemoryProfileTimeline(prof._memory_profile())
+            timeline.timeline = _with_unseen_frees(timeline.timeline, prof, self.device, alive)
             times, sizes = timeline._coalesce_timeline(device)  # microseconds; sizes[i][0] is unused
             names, rows = categories(), [row[1:] for row in sizes]
         except Exception as e:  # torch's data-flow analysis asserts on some wrappers (FSDP2's, torch 2.13)
             note = (f"torch's memory profiler could not categorise this run ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:80]}); uncategorised: the bytes the cell allocated and still "
                     "held, at each allocation and free")
-            times, rows = _allocator_totals(prof, self.device)
+            times, rows = _allocator_totals(prof, self.device, alive)
             names = ["uncategorised"]
         if self.export_dir:  # torch's memory-timeline JSON: [times in us, [[0, bytes by category...]]]
             files.insert(0, self._path("memory_timeline.json"))
             with open(files[0], "w") as f:
                 json.dump([times, [[0] + list(r) for r in rows]], f)
         times_s, columns = _downsample(times, rows, len(names))
-        return MemoryTimeline(rank=self.rank, device=device, t0=self.t0, times=times_s, categories=names,
+        # the profiler's clock is the wall clock (us); its first event comes up to a second after start()
+        t0 = times[0] / 1e6 if times and times[0] > 0 else self.t0
+        return MemoryTimeline(rank=self.rank, device=device, t0=t0, times=times_s, categories=names,
                               bytes=columns, files=files, events=len(times), note=note)
 
     def _path(self, suffix: str) -> str:
@@ -87,34 +96,143 @@ def categories() -> list[str]:
     return [c.name.lower() if c is not None else "unknown" for c in order]
 
 
-def _allocator_totals(prof, device) -> tuple[list, list]:
+def _allocator_totals(prof, device, alive: frozenset = frozenset()) -> tuple[list, list]:
     """(times in us, [[bytes]]) from the profiler's allocation events on ``device``: the bytes allocated
     while it recorded and not yet freed, after each allocation or free.
 
     Frees of blocks allocated before the cell (the previous cell's model and optimizer state, let go
     when the cell rebinds their names, or whenever the garbage collector reaches FSDP2's reference
     cycles) are not counted: subtracted from the allocator's running total, they had moved the
-    measured peak by up to their size from one identical run to the next.
+    measured peak by up to their size from one identical run to the next. Frees the profiler did
+    not see: ``_free_times``.
+    """
+    allocs, freed = _free_times(prof, device, alive)
+    steps = []  # (ns, bytes allocated or freed)
+    for e in allocs:
+        size = e.extra_fields.alloc_size
+        steps.append((e.start_time_ns, size))
+        if id(e) in freed:
+            steps.append((freed[id(e)], -size))
+    steps.sort()
+    held, times, rows = 0, [], []
+    for ns, delta in steps:
+        held += delta
+        times.append(ns // 1000)
+        rows.append([held])
+    return times, rows
+
+
+def _free_times(prof, device, alive: frozenset = frozenset()) -> tuple[list, dict]:
+    """(the allocations on ``device`` while recording, id(allocation) -> ns when it was freed).
+
+    The profiler records no free made on a thread it does not follow, and the backend's worker lets
+    go of what a collective or a send held once the work is done: gloo's copies made inside a
+    collective (a reduce-scatter's input, a gather's staging) and the activations a pipeline stage
+    sends on had looked held until the cell ended, and the total crept up by each step's buffers
+    (fsdp's peak by a third over 6 steps, a pipeline's by an activation per step, on CPU ranks). A
+    block whose free was not recorded is taken as freed:
+
+    - made inside a collective: when the last work that used it ended (the worker's ``gloo:*``
+      events list their tensors);
+    - sent (a send's input) and held by no Python tensor when recording stopped (``alive``: their
+      addresses): when the last send of it ended;
+    - else when its address was handed out again (it was free by then); else it is held to the end.
+    Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
     from torch._C._profiler import _EventType
 
-    events = [e for root in prof.profiler.kineto_results.experimental_event_tree() for e in _walk(root)
-              if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type]
-    events.sort(key=lambda e: e.start_time_ns)
-    live: dict = {}  # address -> bytes, for the blocks allocated while recording
-    held, times, rows = 0, [], []
+    every = [e for root in prof.profiler.kineto_results.experimental_event_tree() for e in _walk(root)]
+    events = sorted((e for e in every if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type),
+                    key=lambda e: e.start_time_ns)
+    works = [e for e in every if e.tag == _EventType.TorchOp and _name(e).startswith(("gloo:", "c10d::"))]
+    used_until, sent = {}, set()  # (address, allocation id) -> when the last work using it ended
+    for w in works:
+        for t in _tensors(w.extra_fields.inputs):
+            key = (t.storage_data_ptr, t.allocation_id)
+            used_until[key] = max(used_until.get(key, 0), w.end_time_ns)
+            if "send" in _name(w):
+                sent.add(key)
+    ends = {id(w): w.end_time_ns for w in works}
+    allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
     for e in events:
         f = e.extra_fields
         if f.alloc_size > 0:
-            live[f.ptr] = f.alloc_size
-            held += f.alloc_size
+            before = live.get(f.ptr)
+            if before is not None:  # its free went unseen: by now at the latest
+                unseen[id(before)] = min(unseen.get(id(before), e.start_time_ns), e.start_time_ns)
+            live[f.ptr] = e
+            allocs.append(e)
+            key = (f.ptr, f.allocation_id)
+            owner = _collective_of(e, ends)
+            if owner is not None:
+                unseen[id(e)] = max(owner, used_until.get(key, 0))
+            elif key in sent and f.ptr not in alive:
+                unseen[id(e)] = used_until[key]
         elif f.ptr in live:
-            held -= live.pop(f.ptr)
-        else:
-            continue  # a block from before the cell
-        times.append(e.start_time_ns // 1000)
-        rows.append([held])
-    return times, rows
+            freed[id(live.pop(f.ptr))] = e.start_time_ns
+    for e in allocs:
+        if id(e) not in freed and id(e) in unseen:
+            freed[id(e)] = unseen[id(e)]
+    return allocs, freed
+
+
+def python_tensor_addresses() -> frozenset:
+    """The storage addresses of every tensor Python holds now (a DTensor's local shard included)."""
+    import gc
+
+    out = set()
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor):
+            try:
+                out.add(obj.untyped_storage().data_ptr())
+            except Exception:  # meta, fake or subclass tensors without a storage of their own
+                pass
+    return frozenset(out)
+
+
+def _tensors(inputs):
+    """The tensors among a profiled op's inputs (lists of tensors included)."""
+    for i in inputs:
+        if hasattr(i, "storage_data_ptr"):
+            yield i
+        elif isinstance(i, list):
+            yield from (t for t in i if hasattr(t, "storage_data_ptr"))
+
+
+def _with_unseen_frees(timeline: tuple, prof, device, alive: frozenset) -> tuple:
+    """torch's categorised timeline plus a DESTROY for each tensor whose free it did not see
+    (``_free_times``), at the time taken for it."""
+    from torch.profiler._memory_profiler import Action, TensorKey
+
+    versions, destroyed = {}, set()
+    for _, action, (key, version), _ in timeline:
+        if action == Action.DESTROY:
+            destroyed.add(key)
+        versions[key] = max(versions.get(key, 0), version + (action == Action.INCREMENT_VERSION))
+    allocs, freed = _free_times(prof, device, alive)
+    extra = []
+    for e in allocs:
+        key = TensorKey.from_allocation(e.extra_fields)
+        if key is not None and key in versions and key not in destroyed and id(e) in freed:
+            extra.append((freed[id(e)], Action.DESTROY, (key, versions[key]), e.extra_fields.alloc_size))
+    return tuple(sorted(timeline + tuple(extra), key=lambda x: (x[0], x[1].value)))
+
+
+def _name(event) -> str:
+    try:
+        return event.name
+    except UnicodeDecodeError:  # seen on torch 2.13: a garbled name of some Python-tracer event
+        return ""
+
+
+def _collective_of(alloc, ends: dict):
+    """The end (ns) of the collective an allocation was made in, or None."""
+    parent = alloc.parent
+    while parent is not None:
+        if id(parent) in ends:
+            return ends[id(parent)]
+        parent = parent.parent
+    return None
 
 
 def _walk(event):
