@@ -30,7 +30,9 @@ Sources, per figure:
   torch SDPA; ``Training.fused_attention``, the default) no s x s scores are
   saved, so the 5 a s / h term drops out as with selective recomputation.
   1F1B pipelines hold p micro-batches
-  of L/p layers on the first stage, i.e. L layers' worth. The LM head adds
+  of L/p layers on the first stage, i.e. L layers' worth (and, from the
+  second micro-batch on, the largest weight's gradient computed before it
+  is added to .grad: a buffer). The LM head adds
   s b V x 6 bytes (bf16 logits and fp32 loss); fp32 training doubles
   activations.
 - communication per optimizer step, in bus bytes (S x nccl-tests factor):
@@ -295,6 +297,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own)
         steps = 4 * len(numels) / pp if adam else 0
         e.device.update(params=4 * shard, grads=4 * shard, optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + steps)
+        if pp > 1 and t.grad_accum > 1 and largest:
+            # from the second micro-batch on, autograd computes each weight's gradient into a new tensor
+            # and then adds it to .grad: one (the largest) more in backward, at the stage's peak
+            e.device["buffers"] = 4 * largest / tp
         bus_dp = 2 * frac * shard * 4
         if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden
