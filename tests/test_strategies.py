@@ -421,26 +421,23 @@ def test_uncategorised_timeline_counts_the_cells_own_blocks_only():
 def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
     """gloo lets go of a collective's copies (FSDP2's reduce-scatter input, cloned inside the op) on
     its worker thread, where torch's profiler records no free: unseen, they had looked held to the
-    end and fsdp's per-step peak crept up by them every step. Taken as freed when their work ended,
-    the last steps' peak is the early steps' within 5%, and what the timeline holds at
-    the end is what the cell kept: the ledger's model states (sharded weights, Adam), not more than
-    a data batch and a loss over them."""
+    end, and every step added its own (here 158-203 kB over the model states after 8 steps, and
+    growing with the steps). Taken as freed when their work ended, or when their address is handed
+    out again, what each rank's timeline holds after 16 steps is the ledger's model states (sharded
+    weights and Adam) plus at most one step's gradient staging (the last reduce-scatter inputs,
+    whose addresses no later step reused: FSDP2 allocates them itself and gloo's worker frees them)
+    and a data batch. Per-step peaks are not compared: a reduce-scatter waited late really holds
+    its buffers for a while, the more so under load."""
     import nbtool
 
     ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-flat\n"
-                   "_losses = _train(strategy, steps=8)").raise_error()
+                   "_losses = _train(strategy, steps=16, batch=2)").raise_error()
     run = nbtool.last_run()
-    ledger = [m.ledger for m in run.memory if m.ledger and m.rank == 0][-1]
+    assert len(run.timelines) == 2
     for t in run.timelines:
-        marks = sorted(s.t - t.t0 for s in run.steps if s.rank == t.rank)
-        totals = t.totals()
-        peaks = [max(b for when, b in zip(t.times, totals) if lo <= when < hi)
-                 for lo, hi in zip(marks, marks[1:])]  # steps 2..8
-        early, late = sorted(peaks[:3])[1], sorted(peaks[-3:])[1]  # medians: a wait can hold one step's buffers
-        assert len(peaks) == 7 and late <= 1.05 * early, (t.rank, peaks, t.note)
-    end = run.timelines[0].totals()[-1]
-    kept = ledger["params"] + ledger["optimizer_state"] + ledger["other"]
-    assert kept <= end <= kept + 64 * 1024, (end, ledger)
+        ledger = [m.ledger for m in run.memory if m.ledger and m.rank == t.rank][-1]
+        kept = ledger["params"] + ledger["optimizer_state"] + ledger["other"]
+        assert kept <= t.totals()[-1] <= kept + 4 * PSI + 16 * 1024, (t.rank, t.totals()[-1], ledger)
 
 
 def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, tmp_path):
