@@ -53,7 +53,6 @@ class TimelineRecorder:
 
         prof, self._prof = self._prof, None
         prof.stop()
-        alive = python_tensor_addresses()  # what a send used and Python still holds was not freed
         files = []
         if self.device.type == "cuda":
             if self.export_dir:
@@ -64,14 +63,14 @@ class TimelineRecorder:
         note = ""
         try:
             timeline = MemoryProfileTimeline(prof._memory_profile())
-            timeline.timeline = _with_unseen_frees(timeline.timeline, prof, self.device, alive)
+            timeline.timeline = _with_unseen_frees(timeline.timeline, prof, self.device)
             times, sizes = timeline._coalesce_timeline(device)  # microseconds; sizes[i][0] is unused
             names, rows = categories(), [row[1:] for row in sizes]
         except Exception as e:  # torch's data-flow analysis asserts on some wrappers (FSDP2's, torch 2.13)
             note = (f"torch's memory profiler could not categorise this run ({type(e).__name__}: "
                     f"{str(e).splitlines()[0][:80]}); uncategorised: the bytes the cell allocated and still "
                     "held, at each allocation and free")
-            times, rows = _allocator_totals(prof, self.device, alive)
+            times, rows = _allocator_totals(prof, self.device)
             names = ["uncategorised"]
         if self.export_dir:  # torch's memory-timeline JSON: [times in us, [[0, bytes by category...]]]
             files.insert(0, self._path("memory_timeline.json"))
@@ -96,7 +95,7 @@ def categories() -> list[str]:
     return [c.name.lower() if c is not None else "unknown" for c in order]
 
 
-def _allocator_totals(prof, device, alive: frozenset = frozenset()) -> tuple[list, list]:
+def _allocator_totals(prof, device) -> tuple[list, list]:
     """(times in us, [[bytes]]) from the profiler's allocation events on ``device``: the bytes allocated
     while it recorded and not yet freed, after each allocation or free.
 
@@ -106,7 +105,7 @@ def _allocator_totals(prof, device, alive: frozenset = frozenset()) -> tuple[lis
     measured peak by up to their size from one identical run to the next. Frees the profiler did
     not see: ``_free_times``.
     """
-    allocs, freed = _free_times(prof, device, alive)
+    allocs, freed = _free_times(prof, device)
     steps = []  # (ns, bytes allocated or freed)
     for e in allocs:
         size = e.extra_fields.alloc_size
@@ -122,7 +121,7 @@ def _allocator_totals(prof, device, alive: frozenset = frozenset()) -> tuple[lis
     return times, rows
 
 
-def _free_times(prof, device, alive: frozenset = frozenset()) -> tuple[list, dict]:
+def _free_times(prof, device) -> tuple[list, dict]:
     """(the allocations on ``device`` while recording, id(allocation) -> ns when it was freed).
 
     The profiler records no free made on a thread it does not follow, and the backend's worker lets
@@ -134,8 +133,8 @@ def _free_times(prof, device, alive: frozenset = frozenset()) -> tuple[list, dic
 
     - made inside a collective: when the last work that used it ended (the worker's ``gloo:*``
       events list their tensors);
-    - sent (a send's input) and held by no Python tensor when recording stopped (``alive``: their
-      addresses): when the last send of it ended;
+    - sent (a send's input) and held by no Python tensor now (the cell is over): when the last send
+      of it ended;
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
@@ -153,6 +152,7 @@ def _free_times(prof, device, alive: frozenset = frozenset()) -> tuple[list, dic
             if "send" in _name(w):
                 sent.add(key)
     ends = {id(w): w.end_time_ns for w in works}
+    alive = _python_tensor_addresses() if sent else frozenset()  # a walk of every object: only if needed
     allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
     for e in events:
         f = e.extra_fields
@@ -176,7 +176,7 @@ def _free_times(prof, device, alive: frozenset = frozenset()) -> tuple[list, dic
     return allocs, freed
 
 
-def python_tensor_addresses() -> frozenset:
+def _python_tensor_addresses() -> frozenset:
     """The storage addresses of every tensor Python holds now (a DTensor's local shard included)."""
     import gc
 
@@ -199,7 +199,7 @@ def _tensors(inputs):
             yield from (t for t in i if hasattr(t, "storage_data_ptr"))
 
 
-def _with_unseen_frees(timeline: tuple, prof, device, alive: frozenset) -> tuple:
+def _with_unseen_frees(timeline: tuple, prof, device) -> tuple:
     """torch's categorised timeline plus a DESTROY for each tensor whose free it did not see
     (``_free_times``), at the time taken for it."""
     from torch.profiler._memory_profiler import Action, TensorKey
@@ -209,7 +209,7 @@ def _with_unseen_frees(timeline: tuple, prof, device, alive: frozenset) -> tuple
         if action == Action.DESTROY:
             destroyed.add(key)
         versions[key] = max(versions.get(key, 0), version + (action == Action.INCREMENT_VERSION))
-    allocs, freed = _free_times(prof, device, alive)
+    allocs, freed = _free_times(prof, device)
     extra = []
     for e in allocs:
         key = TensorKey.from_allocation(e.extra_fields)
