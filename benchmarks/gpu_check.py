@@ -3,18 +3,19 @@
     python benchmarks/gpu_check.py            # on a GPU machine: at most ~8 minutes
     python benchmarks/gpu_check.py --short    # the CPU subset the test suite runs
 
-On a machine with GPUs the ranks are one per GPU on nccl (with one GPU: a
-1-rank nccl cluster, plus a 2-rank gloo cluster whose ranks share that GPU for
-the paths that take CUDA tensors; a multi-rank NCCL collective is then listed
-as not covered). On a CPU-only machine it runs the subset that applies on gloo
-and lists what it skipped. Checks:
+On a machine with GPUs the ranks are one per GPU on nccl. With one GPU, the
+data-parallel strategies run on a 1-rank nccl cluster, then everything again on
+2 CPU ranks over gloo (gloo ranks are CPU ranks: they cannot share the GPU), and
+a multi-rank NCCL collective is listed as not covered. On a CPU-only machine it
+runs the gloo suite and lists what it skipped. Checks, per cluster:
 
 - cluster start (backend, ranks, seconds);
 - every strategy for a few steps (bf16 on GPUs, fp32 on CPU; ddp, fsdp --wrap
   Block, zero1, zero2, zero3, zero3 --offload both, tp and pp where the rank
   count allows): the loss is finite, fp32 data-parallel losses are equal, and
   the ledger equals nbtool.plan.expected_ledger (on GPUs the CUDA allocator's
-  allocated / reserved / peak are printed next to it);
+  allocated / reserved / peak are printed next to it), and the planner's
+  peak memory and step time next to the measured ones (whole tables at the end);
 - collective timing: the clock of blocking calls (cuda_event on GPUs, wall on
   CPU) and of async ones;
 - ``%commbench all_reduce``: busbw per size, every result element checked;
@@ -89,6 +90,26 @@ class Checks:
         return f"gpu_check={sum(r[0] == 'PASS' for r in counted)}/{len(counted)}"
 
 
+def _versus_line() -> tuple[str, bool | None]:
+    """The planner's prediction of the run just made next to its measurement (on GPUs: the CUDA
+    allocator's peak), and whether the peak is within its tolerance (None: not measured); the whole
+    table is printed after the checks."""
+    import nbtool
+
+    v = nbtool.predicted_vs_measured()
+    VERSUS.append(v)
+    out = []
+    for figure, scale, unit in (("peak tensor memory", 2**20, "MiB"), ("step time", 1e-3, "ms")):
+        r = v.row(figure)
+        if r.measured is not None and r.predicted is not None:
+            out.append(f"{figure} {r.measured / scale:.1f} measured / {r.predicted / scale:.1f} predicted {unit}"
+                       f" ({r.error:+.0%})")
+    return "vs plan: " + ", ".join(out), v.row("peak tensor memory").within
+
+
+VERSUS: list = []
+
+
 def strategies_for(n: int, short: bool) -> list[str]:
     lines = ["ddp", "fsdp --wrap Block", "zero3"] if short else \
         ["ddp", "fsdp --wrap Block", "zero1", "zero2", "zero3", "zero3 --offload both"]
@@ -97,63 +118,44 @@ def strategies_for(n: int, short: bool) -> list[str]:
     return lines
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--short", action="store_true", help="the quick subset (the test suite's CPU mode)")
-    ap.add_argument("--steps", type=int, default=3)
-    a = ap.parse_args()
-    import torch
-
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    ip = shell()
-    checks = Checks()
-    print(f"# gpu_check: torch {torch.__version__}, {gpus} GPU(s)"
-          + (f" ({torch.cuda.get_device_name(0)})" if gpus else " (CPU-only: the gloo subset)"), flush=True)
-
-    n = gpus if gpus >= 2 else 2
-    backend = "nccl" if gpus >= 2 else "gloo"
-    if gpus == 1:
-        def one_rank_nccl():
-            ip.run_line_magic("cluster", "start -n 1 --backend nccl")
-            ip.run_cell("%%distributed\nx = torch.ones(4, device=device); dist.all_reduce(x); _v = x.sum().item()"
-                        ).raise_error()
-            ip.run_line_magic("dist_pull", "_v --rank 0")
-            ip.run_line_magic("cluster", "stop")
-            return ("PASS" if ip.user_ns["_v"] == 4.0 else "FAIL"), "1-rank nccl cluster, all_reduce on cuda:0"
-        checks.run("nccl, one rank", one_rank_nccl)
-        checks.skip("multi-rank NCCL collective", "one GPU: a 2-rank NCCL group needs two devices")
-    elif not gpus:
-        checks.skip("nccl", "no GPU: the nccl backend, CUDA placement and CUDA events need one")
+def suite(ip, checks: Checks, n: int, backend: str, cuda: bool, a) -> None:
+    """Every check on one cluster of ``n`` ranks (on CUDA: bf16, the allocator's figures and CUDA
+    events; on CPU: fp32, losses equal to DDP's). Names carry the backend when the machine runs two."""
+    tag = f", {n} {backend} rank{'s' if n > 1 else ''}"
 
     def start():
         t0 = time.perf_counter()
         ip.run_line_magic("cluster", f"start -n {n} --backend {backend}")
-        return "PASS", f"{n} rank(s), {backend}, ready in {time.perf_counter() - t0:.1f} s"
-    checks.run("cluster start", start)
+        ip.run_cell("%%distributed\n_dev = str(device)").raise_error()
+        ip.run_line_magic("dist_pull", "_dev --rank 0")
+        want = "cuda" if cuda else "cpu"
+        ok = ip.user_ns["_dev"].startswith(want)
+        return ("PASS" if ok else "FAIL"), (f"{n} rank(s), {backend}, rank 0 on {ip.user_ns['_dev']} (want {want}), "
+                                            f"ready in {time.perf_counter() - t0:.1f} s")
+    checks.run(f"cluster start{tag}", start)
 
     from nbtool.plan import expected_ledger
     from nbtool.rank.example_models import TinyTransformer
 
     numels = [p.numel() for p in TinyTransformer(vocab=128, dim=64, heads=4, layers=2, seq=16).parameters()]
-    precision = "bf16" if gpus else "fp32"
+    precision = "bf16" if cuda else "fp32"
     reference = {}
     # gradient compression: torch's bf16 hook runs only on CUDA ranks over nccl; PowerSGD is refused on CPU
     compressed = ["ddp --compress bf16", "ddp --compress powersgd:4"] if backend == "nccl" else []
     for line in strategies_for(n, a.short) + compressed:
-        full = line if line in ("tp", "pp") or not gpus else f"{line} --precision bf16"
+        full = line if line in ("tp", "pp") or not cuda else f"{line} --precision bf16"
 
         def train(line=line, full=full):
             ip.run_cell(TRAIN.format(line=full, steps=a.steps)).raise_error()
             ip.run_line_magic("dist_pull", "_losses _ledger _cuda --rank 0")
-            losses, ledger, cuda = ip.user_ns["_losses"], ip.user_ns["_ledger"], ip.user_ns["_cuda"]
+            losses, ledger, mem = ip.user_ns["_losses"], ip.user_ns["_ledger"], ip.user_ns["_cuda"]
             if not all(math.isfinite(x) for x in losses):
                 return "FAIL", f"losses {losses}"
             word = line.split()[0]
             parts = [f"losses {', '.join(f'{x:.4f}' for x in losses)}"]
             ok = True
-            if word in ("ddp", "fsdp", "zero1", "zero2", "zero3") and "offload" not in line:
-                p = precision if word != "fsdp" or gpus else "fp32"
-                want = expected_ledger(word, p, numels, n)
+            if word in ("ddp", "fsdp", "zero1", "zero2", "zero3") and "offload" not in line and "compress" not in line:
+                want = expected_ledger(word, precision, numels, n)
                 got = {k: getattr(ledger, k) for k in want}
                 ok &= got == want
                 parts.append(f"ledger {'= expected' if got == want else f'{got} != expected {want}'}")
@@ -162,10 +164,15 @@ def main() -> None:
                     same = all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(losses, ref))
                     ok &= same
                     parts.append("losses = ddp's" if same else f"losses differ from ddp's {ref}")
-            if cuda is not None:
-                parts.append("CUDA allocated/reserved/peak " + "/".join(f"{b / 2**20:.1f}" for b in cuda) + " MiB")
+            if cuda:
+                ok &= mem is not None
+                parts.append("CUDA allocated/reserved/peak " + "/".join(f"{b / 2**20:.1f}" for b in mem or ()) + " MiB")
+            text, peak_ok = _versus_line()
+            parts.append(text)
+            if cuda:  # the allocator's peak is measured on every CUDA run: judged against the planner's tolerance
+                ok &= bool(peak_ok)
             return ("PASS" if ok else "FAIL"), "; ".join(parts)
-        checks.run(f"{full} ({precision})", train)
+        checks.run(f"{full} ({precision}{tag})", train)
 
     def timing():
         import nbtool
@@ -173,20 +180,21 @@ def main() -> None:
         run = nbtool.last_run()
         blocking = {c.clock for c in run.comms if not c.asynchronous}
         asynchronous = {c.clock for c in run.comms if c.asynchronous}
-        want = "cuda_event" if gpus else "wall"
+        want = "cuda_event" if cuda else "wall"
         ok = blocking == {want} if blocking else False
         note = f"blocking calls timed by {sorted(blocking)}, async ones by {sorted(asynchronous) or 'none issued'}"
-        if gpus and asynchronous and asynchronous != {"cuda_event"}:
+        if cuda and asynchronous and asynchronous != {"cuda_event"}:
             note += " (async ones should be NCCL's device time: is TORCH_NCCL_ENABLE_TIMING=1 on the ranks?)"
             ok = False
         return ("PASS" if ok else "FAIL"), note
-    checks.run("collective timing clock", timing)
+    checks.run(f"collective timing clock{tag}", timing)
 
-    def commbench():
-        res = ip.run_line_magic("commbench", "all_reduce --sizes 64KB:4MB --factor 8 --iters 5 --warmup 2 --repeat 3")
-        sizes = ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw'] / 1e9:.2f} GB/s" for r in res.rows)
-        return ("PASS" if res.wrong == 0 else "FAIL"), f"busbw {sizes}; {res.wrong} wrong"
-    checks.run("%commbench all_reduce", commbench)
+    if n >= 2:
+        def commbench():
+            res = ip.run_line_magic("commbench", "all_reduce --sizes 64KB:4MB --factor 8 --iters 5 --warmup 2 --repeat 3")
+            sizes = ", ".join(f"{r['size_bytes'] // 1024} KiB {r['busbw'] / 1e9:.2f} GB/s" for r in res.rows)
+            return ("PASS" if res.wrong == 0 else "FAIL"), f"busbw {sizes}; {res.wrong} wrong"
+        checks.run(f"%commbench all_reduce{tag}", commbench)
 
     def memory_timeline():
         import os
@@ -208,33 +216,60 @@ def main() -> None:
             if t.note:
                 parts.append(t.note)
         snapshots = sorted(f for f in os.listdir(out) if f.endswith("snapshot.pickle"))
-        if gpus:  # the allocator history memory_viz reads
+        if cuda:  # the allocator history memory_viz reads
             with open(os.path.join(out, snapshots[0]) if snapshots else os.devnull, "rb") as f:
                 snap = pickle.load(f) if snapshots else {}
             ok &= len(snapshots) == n and bool(snap.get("device_traces"))
             parts.append(f"{len(snapshots)} snapshot pickle(s), {sum(map(len, snap.get('device_traces', [])))} "
                          "allocator events in rank 0's")
         return ("PASS" if ok else "FAIL"), "; ".join(parts)
-    checks.run("--memory-timeline", memory_timeline)
+    checks.run(f"--memory-timeline{tag}", memory_timeline)
 
-    def hang():
-        import nbtool
+    if n >= 2:
+        def hang():
+            import nbtool
 
-        res = ip.run_cell(HANG)
-        report = nbtool.current_cluster().last_hang
-        text = report.text() if report is not None else ""
-        ip.run_line_magic("cluster", "restart")  # the group was closed to release rank 0
-        ip.run_cell("%%distributed\nx = torch.ones(4, device=device); dist.all_reduce(x); _v = x.sum().item()"
-                    ).raise_error()
-        ip.run_line_magic("dist_pull", "_v --rank 0")
-        ok = (not res.success) and report is not None and "never reached collective" in text \
-            and ip.user_ns["_v"] == 4.0 * n
-        if backend == "nccl":  # the flight recorder's view of the same hang
-            ok = ok and "NCCL flight recorder" in text
-        return ("PASS" if ok else "FAIL"), (f"reported: {report.summary().replace(chr(10), '; ')}; after %cluster restart an all_reduce "
-                                            f"gives {ip.user_ns['_v']:g}" if report is not None
-                                            else f"no hang report; cell error {res.error_in_exec}")
-    checks.run("hang watchdog", hang)
+            res = ip.run_cell(HANG)
+            report = nbtool.current_cluster().last_hang
+            text = report.text() if report is not None else ""
+            ip.run_line_magic("cluster", "restart")  # the group was closed to release rank 0
+            ip.run_cell("%%distributed\nx = torch.ones(4, device=device); dist.all_reduce(x); _v = x.sum().item()"
+                        ).raise_error()
+            ip.run_line_magic("dist_pull", "_v --rank 0")
+            ok = (not res.success) and report is not None and "never reached collective" in text \
+                and ip.user_ns["_v"] == 4.0 * n
+            if backend == "nccl":  # the flight recorder's view of the same hang
+                ok = ok and "NCCL flight recorder" in text
+            return ("PASS" if ok else "FAIL"), (f"reported: {report.summary().replace(chr(10), '; ')}; after %cluster "
+                                                f"restart an all_reduce gives {ip.user_ns['_v']:g}" if report is not None
+                                                else f"no hang report; cell error {res.error_in_exec}")
+        checks.run(f"hang watchdog{tag}", hang)
+    ip.run_line_magic("cluster", "stop")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--short", action="store_true", help="the quick subset (the test suite's CPU mode)")
+    ap.add_argument("--steps", type=int, default=3)
+    a = ap.parse_args()
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ip = shell()
+    checks = Checks()
+    print(f"# gpu_check: torch {torch.__version__}, {gpus} GPU(s)"
+          + (f" ({torch.cuda.get_device_name(0)})" if gpus else " (CPU-only: the gloo subset)"), flush=True)
+
+    if gpus >= 2:
+        suite(ip, checks, gpus, "nccl", True, a)
+    else:
+        if gpus == 1:  # CUDA paths on one rank, then the multi-rank logic on CPU ranks
+            suite(ip, checks, 1, "nccl", True, a)
+            checks.skip("multi-rank NCCL collective", "one GPU: a 2-rank NCCL group needs two devices; "
+                        "tp, pp, %commbench and the watchdog run on 2 CPU ranks instead")
+        else:
+            checks.skip("nccl", "no GPU: the nccl backend, CUDA placement and CUDA events need one")
+        suite(ip, checks, 2, "gloo", False, a)
 
     if gpus:
         def nvml():
@@ -250,7 +285,8 @@ def main() -> None:
     else:
         checks.skip("NVML", "no GPU (nvidia-ml-py talks to the driver)")
 
-    ip.run_line_magic("cluster", "stop")
+    for v in VERSUS:
+        print(f"\n## predicted vs measured: {v.run_name}\n{v.text()}")
     print(checks.summary())
     sys.exit(0 if all(r[0] != "FAIL" for r in checks.rows) else 1)
 

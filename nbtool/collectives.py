@@ -24,7 +24,9 @@ def bus_factor(op: str, n: int) -> float:
         return 2 * (n - 1) / n
     if op in ("all_gather", "reduce_scatter", "all_to_all"):
         return (n - 1) / n
-    if op in ("broadcast", "reduce", "send", "recv"):
+    if op in ("broadcast", "reduce"):
+        return 1.0 if n > 1 else 0.0  # a group of one moves nothing
+    if op in ("send", "recv"):
         return 1.0
     if op == "barrier":
         return 0.0

@@ -128,7 +128,10 @@ class MemorySample:
     - rss / peak_rss: the process's resident set size now / its high-water
       mark (OS figures: include libraries, allocator caches, buffers)
     - cuda_allocated / cuda_reserved / cuda_peak: the CUDA caching
-      allocator's counters (None on CPU ranks)
+      allocator's counters (None on CPU ranks); cuda_peak is the high-water
+      mark since the run began
+    - cuda_workspace: the part of cuda_allocated that is cuBLAS's workspaces,
+      measured by releasing them when the run ends (last sample of a run only)
     - driver_used: the bytes the driver (NVML) attributes to this process on
       its GPU; minus cuda_reserved it is the memory outside PyTorch's
       allocator (CUDA context, NCCL buffers, other libraries). None without
@@ -146,6 +149,7 @@ class MemorySample:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
+    cuda_workspace: int | None = None
     driver_used: int | None = None
     ledger: dict | None = None
     schema: int = SCHEMA_VERSION

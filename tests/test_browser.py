@@ -254,6 +254,7 @@ def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
     lab.wait(lambda: lab.plots(0) and sum(lab.plots(0)[0]) > 0, 20, "the picker chart has no bars")
     bars = lab.plot_y(0)
     assert len(bars[0]) >= 8  # one bar per layout, each category stacked
+    assert all(y > 0 for y in bars[5])  # cuBLAS's workspaces on every GPU (the sixth category)
 
     lab.shot_output(0, "picker")
     # change an input in the page: the chart follows

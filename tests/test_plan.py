@@ -7,7 +7,7 @@ import torch
 from nbtool.rank.example_models import TinyTransformer
 from nbtool.plan import paper_bytes
 from nbtool.plan.estimate import REDUCE_BUCKET, estimate
-from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
+from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training, cublas_workspace
 from nbtool.plan.recommend import recommend
 
 GB = 1e9
@@ -77,6 +77,17 @@ def test_predicted_model_states_equal_measured_ledger(ip, cluster, layout, line)
         assert e.device["params"] == led.params
         assert e.device["grads"] == led.grads
         assert e.device["optimizer"] == led.master_params + led.optimizer_state + led.other
+
+
+def test_cublas_workspace_term_is_on_gpus_only_and_follows_the_workspace_config():
+    mib = 2**20
+    assert cublas_workspace(9) == 64 * mib  # 2 x 32 MiB on Hopper: measured on an H200 by gpu_check.py
+    assert cublas_workspace(8) == 2 * (8 * mib + 128 * 1024)  # PyTorch's :4096:2:16:8 before Hopper
+    assert cublas_workspace(9, ":4096:8") == 64 * mib and cublas_workspace(8, ":16:8") == 256 * 1024
+    model, t = MODEL_PRESETS["GPT-2 small (124M)"], Training(micro_batch=1)
+    gpu = estimate("ddp", model, t, HARDWARE_PRESETS["8x H100-80GB NVLink"])
+    cpu = estimate("ddp", model, t, HARDWARE_PRESETS["2 CPU ranks (gloo)"])
+    assert gpu.device["workspace"] == 64 * mib and "workspace" not in cpu.device
 
 
 def test_from_module_counts_on_the_meta_device():

@@ -27,8 +27,8 @@ from nbtool.plan.layouts import PREFERENCE
 from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
 from nbtool.plan.recommend import _label, recommend, runnable_choices
 
-CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers")
-COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "workspace")
+COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a", "#8c8c8c")
 
 
 class Picker:

@@ -1,7 +1,7 @@
 """Hardware facts of the running cluster, as a planner Hardware."""
 from __future__ import annotations
 
-from .inputs import GB, HARDWARE_PRESETS, Hardware
+from .inputs import GB, HARDWARE_PRESETS, Hardware, cublas_workspace
 
 
 def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list | None = None) -> Hardware:
@@ -32,8 +32,10 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list
 
     name = f"{where}x {gpu['name']}{' (this machine)' if nodes == 1 else ''}"
     links = link_summary(facts.get("nvml") or {})
+    workspace = cublas_workspace(gpu.get("major", 8), facts.get("cublas_config"))
     if links:
         return Hardware(name, nodes, per_node, gpu["memory"], facts["host_memory"], links["bus_bandwidth"], 10 * GB,
-                        link=links["label"])
+                        link=links["label"], workspace=workspace)
     return Hardware(name, nodes, per_node, gpu["memory"], facts["host_memory"], 20 * GB, 10 * GB,
-                    link="peer access (NVLink or PCIe P2P)" if facts.get("peer_access") else "PCIe (assumed)")
+                    link="peer access (NVLink or PCIe P2P)" if facts.get("peer_access") else "PCIe (assumed)",
+                    workspace=workspace)

@@ -279,6 +279,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     frac = (n - 1) / n if n > 1 else 0.0
     act = activations(m, t, tp, pp, sp)
     e.device["activations"] = act
+    if hw.workspace:  # cuBLAS's workspaces, from the same allocator as the tensors (nbtool.plan.inputs)
+        e.device["workspace"] = hw.workspace
     seq = t.seq or m.seq
     if seq is None:
         seq = DEFAULT_SEQ

@@ -7,12 +7,14 @@ via ``Hardware.with_commbench``.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 
 from .cpu_costs import COLLECTIVES
 
 GB = 1e9
 GiB = 2**30
+MiB = 2**20
 
 
 def format_gb(x: float) -> str:
@@ -160,6 +162,9 @@ class Hardware:
     # gives: gloo's reduce-scatter is an all-reduce plus flat copies; CPU ranks in training pay more
     # latency per collective than a quiet sweep (nbtool.plan.cpu_costs.COLLECTIVES); %commbench's own fits
     op_links: tuple = ()
+    # bytes per device that CUDA libraries take from PyTorch's allocator: cuBLAS's workspaces, one per
+    # thread that runs matmuls (the cell's and autograd's backward thread); see cublas_workspace()
+    workspace: float = 0.0
 
     @property
     def devices(self) -> int:
@@ -216,19 +221,35 @@ class Hardware:
         return replace(self, nodes=nodes or self.nodes, devices_per_node=devices_per_node or self.devices_per_node)
 
 
+def cublas_workspace(major: int, config: str | None = None, threads: int = 2) -> int:
+    """Bytes of cuBLAS workspace a training step holds on a GPU of compute capability ``major``:
+    PyTorch gives each (handle, stream) one workspace from its caching allocator, and a step uses two
+    handles (forward on the cell's thread, backward on autograd's). Size per workspace: the sum of
+    ``CUBLAS_WORKSPACE_CONFIG``'s ``:SIZE_KiB:COUNT`` pairs when set, else PyTorch's default: 32 MiB on
+    Hopper and later (2 x 32 MiB measured on an H200 by benchmarks/gpu_check.py), ``:4096:2:16:8``
+    (8 MiB + 128 KiB) before."""
+    if config:
+        nums = [int(x) for x in re.findall(r"\d+", config)]
+        per = sum(a * b for a, b in zip(nums[0::2], nums[1::2])) * 1024
+    else:
+        per = 32 * MiB if major >= 9 else 4096 * 1024 * 2 + 16 * 1024 * 8
+    return threads * per
+
+
 # Documented defaults (approximate busbw of a large all_reduce, as nccl-tests reports):
 # A100 NVLink3 ~230 GB/s, H100 NVLink4 ~360 GB/s, PCIe 4.0 x16 ~20 GB/s, HDR InfiniBand
 # 200 Gb/s per GPU ~23 GB/s; 2 gloo CPU ranks on one host ~1.2 GB/s (a quiet sweep, measured here;
 # in training each op costs more: its own link, from nbtool.plan.cpu_costs.COLLECTIVES).
 HARDWARE_PRESETS = {
     "8x A100-40GB NVLink": Hardware("8x A100-40GB NVLink", 1, 8, 40 * GiB, 1024 * GiB, 230 * GB, 23 * GB,
-                                    link="NVLink3", peak_flops=312e12),
+                                    link="NVLink3", peak_flops=312e12, workspace=cublas_workspace(8)),
     "8x A100-80GB NVLink": Hardware("8x A100-80GB NVLink", 1, 8, 80 * GiB, 1024 * GiB, 230 * GB, 23 * GB,
-                                    link="NVLink3", peak_flops=312e12),
+                                    link="NVLink3", peak_flops=312e12, workspace=cublas_workspace(8)),
     "8x H100-80GB NVLink": Hardware("8x H100-80GB NVLink", 1, 8, 80 * GiB, 2048 * GiB, 360 * GB, 45 * GB,
-                                    link="NVLink4", peak_flops=989e12, host_link_bw=50 * GB),
+                                    link="NVLink4", peak_flops=989e12, host_link_bw=50 * GB,
+                                    workspace=cublas_workspace(9)),
     "4x RTX 4090 PCIe": Hardware("4x RTX 4090 PCIe", 1, 4, 24 * GiB, 128 * GiB, 20 * GB, 10 * GB,
-                                 link="PCIe 4.0", peak_flops=165e12),
+                                 link="PCIe 4.0", peak_flops=165e12, workspace=cublas_workspace(8)),
     "2 CPU ranks (gloo)": Hardware("2 CPU ranks (gloo)", 1, 2, 24 * GiB, 24 * GiB, 1.2 * GB, 1.2 * GB,
                                    intra_latency=300e-6, inter_latency=300e-6, link="shared memory / loopback",
                                    peak_flops=0.05e12, host_link_bw=10 * GB, host_speed=1.0,

@@ -84,7 +84,9 @@ def expected_ledger(strategy: str, precision: str, numels: list[int], nd: int, *
                    optimizer_state=state_per_elem * part)
     elif strategy == "zero3":
         part = sum(math.ceil(n / nd) for n in numels)
-        persistent = sum(n for n in numels if n <= persistence_threshold)
+        # a persistent parameter stays whole next to its partition; on one rank DeepSpeed's "gather"
+        # makes the parameter a view of that partition instead (NoGatherHandle), so nothing is extra
+        persistent = sum(n for n in numels if n <= persistence_threshold) if nd > 1 else 0
         grads = w * part
         if offload in ("optimizer", "both"):
             grads += 4 * part  # fp32 gradient partition on the host, next to the bit16 buffer

@@ -109,7 +109,8 @@ def _label(e: Estimate) -> str:
 
 
 def _split(e: Estimate) -> str:
-    return ", ".join(f"{k} {_gb(v)}" for k, v in e.device.items() if v)
+    ordered = sorted(e.device.items(), key=lambda kv: kv[0] == "workspace")  # the libraries' share last
+    return ", ".join(f"{k} {_gb(v)}" for k, v in ordered if v)
 
 
 def _advice(m: ModelShape, t: Training, hw: Hardware, ests: list[Estimate]) -> list[str]:

@@ -361,6 +361,9 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
 
     layout, shape, training, tp, pp = planner_inputs(run)
     hw = replace(hw, nodes=1, devices_per_node=run.world_size)
+    workspaces = [m.cuda_workspace for m in run.memory if m.cuda_workspace is not None]
+    if workspaces:  # what cuBLAS held on the ranks, measured when the run ended
+        hw = replace(hw, workspace=max(workspaces))
     zero = _zero_config(run)
     e = estimate(layout, shape, training, hw, tp=tp, pp=pp,
                  persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
@@ -390,6 +393,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                     f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
                     TOLERANCE["bus bytes / step"] if not mesh else None))
     peak, source, parts = peak_tensors(run)
+    if workspaces and peak is not None:
+        source += f"; {format_bytes(max(workspaces))} of it cuBLAS workspaces (measured at the run's end), predicted alike"
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
@@ -460,7 +465,7 @@ def peak_tensors(run) -> tuple[float | None, str, dict]:
     """(peak tensor bytes of the busiest rank or None, what they are, their categories at that peak)."""
     cuda = [m.cuda_peak for m in run.memory if m.cuda_peak is not None]
     if cuda:
-        return max(cuda), "CUDA allocator peak (max_memory_allocated), max rank", {}
+        return max(cuda), "CUDA allocator peak (max_memory_allocated since the run began), max rank", {}
     if run.timelines:
         best = max(run.timelines, key=lambda t: max(t.totals(), default=0))
         _, parts = best.peak()

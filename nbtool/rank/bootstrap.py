@@ -336,8 +336,9 @@ def hardware_facts() -> dict:
 
     facts = {"host_memory": psutil.virtual_memory().total, "cpus": os.cpu_count(), "gpus": []}
     if torch.cuda.is_available():
-        facts["gpus"] = [{"name": p.name, "memory": p.total_memory} for p in
+        facts["gpus"] = [{"name": p.name, "memory": p.total_memory, "major": p.major} for p in
                          map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
+        facts["cublas_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # sizes cuBLAS's workspaces
         if torch.cuda.device_count() > 1:
             facts["peer_access"] = torch.cuda.can_device_access_peer(0, 1)
         from ..nvml import detect

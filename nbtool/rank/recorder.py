@@ -53,6 +53,18 @@ from ..metrics import CommRecord, CommWait, MemorySample, ScalarRecord, StepMark
 from .bootstrap import rank_device, rss
 from .collective_calls import complete, describe_call, is_async
 
+
+def _cublas_workspace_bytes(device) -> int | None:
+    """Bytes of cuBLAS workspace inside the allocator's count, measured by releasing the workspaces
+    (the next matmul takes them again, from the allocator's cache); None where torch cannot."""
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is None:
+        return None
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    clear()
+    return max(0, before - torch.cuda.memory_allocated(device))
+
 class Recorder:
     def __init__(self, rank: int, interval: float = 0.25, publish: bool = True):
         self.rank = rank
@@ -85,6 +97,8 @@ class Recorder:
         watchdog.observe(self._call)
         _time_waits(self)
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
+        if self._cuda:  # cuda_peak is this run's high-water mark, not the process's since it began
+            torch.cuda.reset_peak_memory_stats(self._device)
         self._sample("interval")
         self._thread = threading.Thread(target=self._run, name="nbtool-recorder", daemon=True)
         self._thread.start()
@@ -104,7 +118,7 @@ class Recorder:
             if thread is not None:
                 thread.join(timeout=5)
         self._resolve_cuda_events(block=True)
-        self._sample("interval")
+        self._sample("interval", workspace=True)
         return list(self.records)
 
     def _run(self) -> None:
@@ -221,13 +235,15 @@ class Recorder:
             self._pending_events[:0] = left
 
     # -- memory ------------------------------------------------------------------
-    def _sample(self, source: str, ledger=None) -> None:
+    def _sample(self, source: str, ledger=None, workspace: bool = False) -> None:
         now_rss, peak = rss()
         sample = MemorySample(self.rank, time.time(), self.step, source, now_rss, peak)
         if self._cuda:
             sample.cuda_allocated = torch.cuda.memory_allocated(self._device)
             sample.cuda_reserved = torch.cuda.memory_reserved(self._device)
             sample.cuda_peak = torch.cuda.max_memory_allocated(self._device)
+            if workspace:
+                sample.cuda_workspace = _cublas_workspace_bytes(self._device)
             if self._driver is None:
                 from ..nvml import ProcessMemory
 
