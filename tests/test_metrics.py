@@ -382,3 +382,19 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert abs(after - s.predicted) <= 0.02 * s.before, (s.line, s.predicted, after)
         assert f"advice followed (from run '{line.split()[0]}')" in out and "(as predicted)" in out, out
         assert "predicted vs measured, run" in out
+
+
+def test_cuda_timeline_names_the_cublas_workspaces_in_unknown():
+    """On CUDA the profiler files cuBLAS's workspaces under "unknown" (64 MiB on an H200): the
+    timeline says so with the size the recorder measured; a CPU timeline, with none measured, is left alone."""
+    from nbtool.metrics import MemorySample, MemoryTimeline
+    from nbtool.rank.strategies import _name_workspaces
+
+    def timeline(device):
+        return MemoryTimeline(rank=0, device=device, t0=0.0, times=[0.0], categories=["parameter", "unknown"],
+                              bytes=[[0], [0]], files=[], events=1, note="")
+    cuda, cpu = timeline("cuda:0"), timeline("cpu")
+    _name_workspaces([MemorySample(0, 0.0, 3, "interval", rss=1, cuda_workspace=64 * 2**20), cuda])
+    _name_workspaces([MemorySample(0, 0.0, 3, "interval", rss=1), cpu])
+    assert cuda.note == "'unknown' holds cuBLAS's workspaces (64 MiB, measured when the run ended)"
+    assert cpu.note == ""

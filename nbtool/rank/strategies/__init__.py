@@ -5,7 +5,7 @@ namespace as ``strategy``; the cell then calls ``strategy.prepare(...)``.
 """
 from __future__ import annotations
 
-from ...metrics import RunDescription
+from ...metrics import MemorySample, MemoryTimeline, RunDescription, format_bytes
 from ...spec import NAMES, StrategySpec
 
 _last = None  # the strategy of the most recent strategy cell on this rank
@@ -73,7 +73,17 @@ def _stop_recorder() -> list:
         records.append(timeline.stop())
     if _last is not None and _last.recorder is not None:
         records[:0], _last.recorder = _last.recorder.stop(), None
+    _name_workspaces(records)
     return records
+
+
+def _name_workspaces(records: list) -> None:
+    """On CUDA torch's profiler files cuBLAS's workspaces under "unknown": say so, with their size."""
+    measured = [r.cuda_workspace for r in records if isinstance(r, MemorySample) and r.cuda_workspace]
+    for t in records:
+        if measured and isinstance(t, MemoryTimeline) and "unknown" in t.categories:
+            said = f"'unknown' holds cuBLAS's workspaces ({format_bytes(measured[-1])}, measured when the run ended)"
+            t.note = f"{t.note}; {said}" if t.note else said
 
 
 def finish(want_summary: bool = True) -> dict:
