@@ -180,16 +180,38 @@ def outside_allocator(samples) -> dict[int, int]:
     return out
 
 
+def step_peaks(run: RunRecords) -> dict[int, dict[int, int]]:
+    """{rank: {step: the peak of tracked tensor bytes within it}} for steps 2..N of a
+    ``--memory-timeline`` run, a step running from the previous optimizer step's end to its own
+    (step 1 holds the set-up and the optimizer's first state, so it is left out)."""
+    out = {}
+    for t in run.timelines:
+        ends = sorted((m.t, m.step) for m in run.steps if m.rank == t.rank)
+        totals = t.totals()
+        peaks = {}
+        for (a, _), (b, step) in zip(ends, ends[1:]):
+            inside = [v for x, v in zip(t.times, totals) if a < t.t0 + x <= b]
+            if inside:
+                peaks[step] = max(inside)
+        out[t.rank] = peaks
+    return out
+
+
 def timeline_lines(run: RunRecords) -> list[str]:
     """One line per rank of a ``--memory-timeline`` run: the peak of tracked tensor bytes, when, and
     by category (largest first), then the files written."""
     from .metrics import format_bytes
 
     lines = []
+    by_step = step_peaks(run)
     for t in sorted(run.timelines, key=lambda t: t.rank):
         when, parts = t.peak()
         cats = ", ".join(f"{c} {format_bytes(b)}" for c, b in sorted(parts.items(), key=lambda kv: -kv[1]) if b)
         lines.append(f"rank {t.rank} ({t.device}): peak {format_bytes(sum(parts.values()))} at {when:.2f} s "
                      f"({cats or 'nothing tracked'}); {t.events} memory events")
+        if len(peaks := by_step.get(t.rank, {})) >= 2:
+            worst = max(peaks, key=peaks.get)
+            lines.append(f"  steps 2..N peak at {format_bytes(statistics.median(peaks.values()))} (median), "
+                         f"{format_bytes(peaks[worst])} at most (step {worst})")
         lines += [f"  {t.note}"] * bool(t.note) + [f"  wrote {f}" for f in t.files]
     return lines

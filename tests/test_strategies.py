@@ -10,6 +10,7 @@ import torch
 from IPython.core.error import UsageError
 
 from helpers import run
+from nbtool import run_analysis
 from nbtool.rank.example_models import TinyTransformer
 from nbtool.execution import RankError
 from nbtool.plan import expected_ledger, paper_bytes
@@ -434,10 +435,14 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
                    "_losses = _train(strategy, steps=16, batch=2)").raise_error()
     run = nbtool.last_run()
     assert len(run.timelines) == 2
+    by_step = run_analysis.step_peaks(run)  # each step's own peak, steps 2..16 (what the planner predicts)
     for t in run.timelines:
         ledger = [m.ledger for m in run.memory if m.ledger and m.rank == t.rank][-1]
         kept = ledger["params"] + ledger["optimizer_state"] + ledger["other"]
         assert kept <= t.totals()[-1] <= kept + 8 * PSI + 16 * 1024, (t.rank, t.totals()[-1], ledger)
+        assert sorted(by_step[t.rank]) == list(range(2, 17))
+        # every step gathers and computes above what it keeps, and none passes the run's peak
+        assert all(kept < p <= max(t.totals()) for p in by_step[t.rank].values()), (by_step[t.rank], kept)
 
 
 def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, tmp_path):

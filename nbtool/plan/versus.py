@@ -398,6 +398,12 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
+    typical = typical_peak(run)
+    if peak and typical and peak > 1.05 * typical:  # one step's transient, not the model's terms
+        notes.append(f"a typical step peaks at {format_bytes(typical)} of tracked tensors (median of steps 2..N, "
+                     f"predicted {_percent((e.device_total - typical) / typical)}); the run's peak came in a step "
+                     "that held more for a while (a collective waited late keeps its buffers), which the "
+                     "planner's typical step leaves out")
     step_s = typical_step(run) or None
     mean_s = summary["step_s"]
     stalls = f" (mean {mean_s * 1e3:.1f} ms: some steps stalled)" if step_s and mean_s > 1.1 * step_s else ""
@@ -471,6 +477,16 @@ def peak_tensors(run) -> tuple[float | None, str, dict]:
         _, parts = best.peak()
         return sum(parts.values()), "tracked tensors at their peak (--memory-timeline), max rank", parts
     return None, "not measured on CPU ranks without --memory-timeline", {}
+
+
+def typical_peak(run) -> float | None:
+    """The median over steps 2..N of each step's peak of tracked tensors, on the rank whose timeline
+    peaks highest; None without a --memory-timeline of 3 or more steps."""
+    if not run.timelines:
+        return None
+    busiest = max(run.timelines, key=lambda t: max(t.totals(), default=0)).rank
+    peaks = run_analysis.step_peaks(run).get(busiest, {})
+    return statistics.median(peaks.values()) if len(peaks) >= 2 else None
 
 
 def _activation_note(parts: dict, e: Estimate, t: Training) -> str:
