@@ -56,9 +56,13 @@ from .collective_calls import complete, describe_call, is_async
 
 def _cublas_workspace_bytes(device) -> int | None:
     """Bytes of cuBLAS workspace inside the allocator's count, measured by releasing the workspaces
-    (the next matmul takes them again, from the allocator's cache); None where torch cannot."""
+    (the next matmul takes them again, from the allocator's cache); None where torch cannot, or where
+    CUDA graphs may have captured a workspace (torch.compile's cudagraph trees): released, its memory
+    could go to another graph's tensors while the first still replays into it."""
+    import sys
+
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
-    if clear is None:
+    if clear is None or "torch._inductor.cudagraph_trees" in sys.modules:
         return None
     torch.cuda.synchronize(device)
     before = torch.cuda.memory_allocated(device)
