@@ -197,6 +197,19 @@ def step_peaks(run: RunRecords) -> dict[int, dict[int, int]]:
     return out
 
 
+def peak_step(run: RunRecords) -> int | None:
+    """The optimizer step during which the highest timeline peaked (1: up to the first step's end,
+    set-up included); None when it peaked after the last step, or without a timeline."""
+    if not run.timelines:
+        return None
+    t = max(run.timelines, key=lambda t: max(t.totals(), default=0))
+    when, _ = t.peak()
+    for end, step in sorted((m.t, m.step) for m in run.steps if m.rank == t.rank):
+        if t.t0 + when <= end:
+            return step
+    return None
+
+
 def timeline_lines(run: RunRecords) -> list[str]:
     """One line per rank of a ``--memory-timeline`` run: the peak of tracked tensor bytes, when, and
     by category (largest first), then the files written."""

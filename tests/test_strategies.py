@@ -443,6 +443,25 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
         assert sorted(by_step[t.rank]) == list(range(2, 17))
         # every step gathers and computes above what it keeps, and none passes the run's peak
         assert all(kept < p <= max(t.totals()) for p in by_step[t.rank].values()), (by_step[t.rank], kept)
+    # the table names a one-step transient: the same run with step 9 raised 30% above its own peak on
+    # its busiest rank (where a late reduce-scatter would put it) is judged on that peak, and the note
+    # gives the typical step, which the raise leaves where it was
+    import copy
+
+    from nbtool.plan.versus import calibrate, typical_peak, versus
+
+    spiked = copy.deepcopy(run)
+    t = max(spiked.timelines, key=lambda t: max(t.totals()))
+    ends = sorted(m.t for m in spiked.steps if m.rank == t.rank)
+    inside = [j for j, x in enumerate(t.times) if ends[7] < t.t0 + x <= ends[8]]  # step 9
+    top = max(inside, key=lambda j: t.totals()[j])
+    raised = int(0.3 * max(t.totals()))
+    t.bytes[0][top] += raised
+    assert typical_peak(spiked) == typical_peak(run)
+    plain, odd = (versus(r, calibrate(r), "this run") for r in (run, spiked))
+    assert odd.row("peak tensor memory").measured > plain.row("peak tensor memory").measured
+    assert run_analysis.peak_step(spiked) == 9
+    assert any("the run's peak came in step 9, which held more" in n for n in odd.notes), odd.notes
 
 
 def test_memory_timeline_by_category_checked_against_the_ledger(ranks, capsys, tmp_path):

@@ -398,12 +398,17 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
-    typical = typical_peak(run)
-    if peak and typical and peak > 1.05 * typical:  # one step's transient, not the model's terms
+    # the same measure on both sides: tracked tensors (a CUDA run's peak is the allocator's)
+    typical = typical_peak(run) if all(m.cuda_peak is None for m in run.memory) else None
+    if peak and typical and peak > 1.05 * typical:  # not a typical step's: say where it came from
+        step = run_analysis.peak_step(run)
+        where = ("before the first optimizer step ended (the set-up: the model built and wrapped, the "
+                 "optimizer's state created)" if step == 1 else
+                 f"in step {step}, which held more for a while (a collective waited late keeps its buffers)"
+                 if step else "after the last optimizer step")
         notes.append(f"a typical step peaks at {format_bytes(typical)} of tracked tensors (median of steps 2..N, "
-                     f"predicted {_percent((e.device_total - typical) / typical)}); the run's peak came in a step "
-                     "that held more for a while (a collective waited late keeps its buffers), which the "
-                     "planner's typical step leaves out")
+                     f"predicted {_percent((e.device_total - typical) / typical)}); the run's peak came {where}, "
+                     "which the planner's typical step leaves out")
     step_s = typical_step(run) or None
     mean_s = summary["step_s"]
     stalls = f" (mean {mean_s * 1e3:.1f} ms: some steps stalled)" if step_s and mean_s > 1.1 * step_s else ""

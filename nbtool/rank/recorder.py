@@ -41,6 +41,7 @@ nothing depends on the live path.
 from __future__ import annotations
 
 import queue
+import sys
 import threading
 import time
 import weakref
@@ -59,8 +60,6 @@ def _cublas_workspace_bytes(device) -> int | None:
     (the next matmul takes them again, from the allocator's cache); None where torch cannot, or where
     CUDA graphs may have captured a workspace (torch.compile's cudagraph trees): released, its memory
     could go to another graph's tensors while the first still replays into it."""
-    import sys
-
     clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
     if clear is None or "torch._inductor.cudagraph_trees" in sys.modules:
         return None
@@ -68,6 +67,7 @@ def _cublas_workspace_bytes(device) -> int | None:
     before = torch.cuda.memory_allocated(device)
     clear()
     return max(0, before - torch.cuda.memory_allocated(device))
+
 
 class Recorder:
     def __init__(self, rank: int, interval: float = 0.25, publish: bool = True):
