@@ -10,7 +10,10 @@ Sources, per figure:
   (2 units: the current one and the prefetched one; all of them between
   forward and backward without resharding), at the peak: backward's start,
   every activation alive (a unit's unsharded gradients and their
-  reduce-scatter input come as its activations go). For ZeRO in mixed precision,
+  reduce-scatter input come as its activations go); on CPU ranks one more
+  unit in the reduction dtype: gloo's copy of a reduce-scatter input, alive
+  until the other rank joins, which a late rank leaves there as the next unit
+  gathers (the run's worst steps). For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
@@ -368,6 +371,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
         else:
             e.device["buffers"] = 2 * w * unit  # the current unit and the prefetched one
+        if cpu and shard > 1:
+            # gloo reduce-scatters a copy of a unit's gradients (in the reduction dtype), alive until the
+            # other rank joins: a rank that comes late leaves it there as the next unit gathers (the
+            # run's worst steps on CPU ranks: +1 unit over a typical step's peak, seen in the timeline)
+            e.device["buffers"] += g * unit
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:
