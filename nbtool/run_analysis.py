@@ -197,12 +197,17 @@ def step_peaks(run: RunRecords) -> dict[int, dict[int, int]]:
     return out
 
 
+def busiest_timeline(run: RunRecords):
+    """The ``--memory-timeline`` of the rank whose tracked tensors peaked highest, or None."""
+    return max(run.timelines, key=lambda t: max(t.totals(), default=0), default=None)
+
+
 def peak_step(run: RunRecords) -> int | None:
     """The optimizer step during which the highest timeline peaked (1: up to the first step's end,
     set-up included); None when it peaked after the last step, or without a timeline."""
-    if not run.timelines:
+    t = busiest_timeline(run)
+    if t is None:
         return None
-    t = max(run.timelines, key=lambda t: max(t.totals(), default=0))
     when, _ = t.peak()
     for end, step in sorted((m.t, m.step) for m in run.steps if m.rank == t.rank):
         if t.t0 + when <= end:

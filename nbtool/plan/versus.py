@@ -361,9 +361,9 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
 
     layout, shape, training, tp, pp = planner_inputs(run)
     hw = replace(hw, nodes=1, devices_per_node=run.world_size)
-    workspaces = [m.cuda_workspace for m in run.memory if m.cuda_workspace is not None]
-    if workspaces:  # what cuBLAS held on the ranks, measured when the run ended
-        hw = replace(hw, workspace=max(workspaces))
+    workspace = max((m.cuda_workspace for m in run.memory if m.cuda_workspace is not None), default=None)
+    if workspace is not None:  # what cuBLAS held on the ranks, measured when the run ended
+        hw = replace(hw, workspace=workspace)
     zero = _zero_config(run)
     e = estimate(layout, shape, training, hw, tp=tp, pp=pp,
                  persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
@@ -393,8 +393,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                     f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
                     TOLERANCE["bus bytes / step"] if not mesh else None))
     peak, source, parts = peak_tensors(run)
-    if workspaces and peak is not None:
-        source += f"; {format_bytes(max(workspaces))} of it cuBLAS workspaces (measured at the run's end), predicted alike"
+    if workspace is not None and peak is not None:
+        source += f"; {format_bytes(workspace)} of it cuBLAS workspaces (measured at the run's end), predicted alike"
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
@@ -478,8 +478,7 @@ def peak_tensors(run) -> tuple[float | None, str, dict]:
     if cuda:
         return max(cuda), "CUDA allocator peak (max_memory_allocated since the run began), max rank", {}
     if run.timelines:
-        best = max(run.timelines, key=lambda t: max(t.totals(), default=0))
-        _, parts = best.peak()
+        _, parts = run_analysis.busiest_timeline(run).peak()
         return sum(parts.values()), "tracked tensors at their peak (--memory-timeline), max rank", parts
     return None, "not measured on CPU ranks without --memory-timeline", {}
 
@@ -487,10 +486,10 @@ def peak_tensors(run) -> tuple[float | None, str, dict]:
 def typical_peak(run) -> float | None:
     """The median over steps 2..N of each step's peak of tracked tensors, on the rank whose timeline
     peaks highest; None without a --memory-timeline of 3 or more steps."""
-    if not run.timelines:
+    busiest = run_analysis.busiest_timeline(run)
+    if busiest is None:
         return None
-    busiest = max(run.timelines, key=lambda t: max(t.totals(), default=0)).rank
-    peaks = run_analysis.step_peaks(run).get(busiest, {})
+    peaks = run_analysis.step_peaks(run).get(busiest.rank, {})
     return statistics.median(peaks.values()) if len(peaks) >= 2 else None
 
 
