@@ -129,7 +129,9 @@ class MemorySample:
       mark (OS figures: include libraries, allocator caches, buffers)
     - cuda_allocated / cuda_reserved / cuda_peak: the CUDA caching
       allocator's counters (None on CPU ranks); cuda_peak is the high-water
-      mark since the run began
+      mark since the run began, or since the first optimizer step ended
+      where cuda_peak_since is 1 (the recorder resets it there, so the set-up
+      and first step's peak and that of steps 2..N are both measured)
     - cuda_workspace: the part of cuda_allocated that is cuBLAS's workspaces,
       measured by releasing them when the run ends (last sample of a run only)
     - driver_used: the bytes the driver (NVML) attributes to this process on
@@ -149,6 +151,7 @@ class MemorySample:
     cuda_allocated: int | None = None
     cuda_reserved: int | None = None
     cuda_peak: int | None = None
+    cuda_peak_since: int = 0
     cuda_workspace: int | None = None
     driver_used: int | None = None
     ledger: dict | None = None

@@ -35,9 +35,24 @@ Sources, per figure:
   1F1B pipelines hold p micro-batches
   of L/p layers on the first stage, i.e. L layers' worth (and, from the
   second micro-batch on, the largest weight's gradient computed before it
-  is added to .grad: a buffer). The LM head adds
-  s b V x 6 bytes (bf16 logits and fp32 loss); fp32 training doubles
-  activations.
+  is added to .grad: a buffer). The LM head adds s b V x 12 bytes as
+  backward starts: the loss's fp32 log-softmax output, saved, and
+  backward's first two gradients (nll's, log-softmax's; measured on CPU
+  ranks and an H200). fp32 training doubles activations. Mixed precision by
+  torch.autocast over fp32 weights (ddp, tp, pp) saves more than the pure
+  16-bit count: a 16-bit copy of every matmul weight (2 bytes x all but the
+  token embedding), both norms' fp32 inputs (+4 s b h a layer) and one copy
+  of the norm's output per separate q, k, v projection (+4 s b h; none with
+  a fused qkv matrix): within 2% of what autograd saved on three shapes,
+  and 2% over an H200's allocator for a 117M model (1.94 GB predicted,
+  1.90 measured with the loss's gradients).
+- the peak (DDP, FSDP, tp/pp: torch's optimizers, gradients set to None by
+  zero_grad) is the larger of two moments: backward's start, every
+  activation saved and no gradient yet (with gradient accumulation the
+  earlier micro-batches' are there), and the optimizer step, gradients and
+  no activations, plus on GPUs foreach Adam's temporary (one fp32 copy of
+  the parameters). ``Estimate.device`` holds that moment's bytes,
+  ``Estimate.states`` what the device owns over the step (the ledger's).
 - communication per optimizer step, in bus bytes (S x nccl-tests factor):
   DDP all-reduce 2 (n-1)/n Psi g; FSDP without resharding reduce-scatters
   gradients and all-gathers parameters, 2 (n-1)/n Psi; FSDP all-gathers
@@ -138,6 +153,10 @@ class Estimate:
     micro_batches: int = 1
     notes: list = field(default_factory=list)
     comms: list = field(default_factory=list)  # Comm per op and group: what comm_s and comm_bus_bytes add up
+    # what each device owns over a step (params, grads, optimizer: the ledger's categories); ``device``
+    # is what it holds at the predicted peak, which may lack some (no gradients yet at backward's start)
+    states: dict = field(default_factory=dict)
+    peak_phase: str = ""  # "backward start" or "optimizer step": where ``device`` is taken
 
     def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "") -> float:
         """Count ``count`` collectives ``op`` of ``bus_bytes`` in all; returns their seconds on ``hw``."""
@@ -232,7 +251,7 @@ class Estimate:
             + ([f"--tp {self.tp}", "--sp"] if self.tp > 1 else []) + ([f"--pp {self.pp}"] if self.pp > 1 else []))
 
 
-def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool) -> float:
+def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool = False) -> float:
     s, b, h, a = (t.seq or m.seq), t.micro_batch, m.hidden, m.heads
     if t.fused_attention:
         a = 0  # no attention-score matrices saved (same as selective recomputation of attention)
@@ -244,16 +263,41 @@ def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool) -> float:
         out = s * b * h * (10 + 24 / tp + (0 if t.checkpointing == "selective" else 5 * a * s / (h * tp)))
     else:
         out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h))
-    return out * (2 if t.precision == "fp32" else 1)
+    if t.precision == "fp32":
+        return 2 * out
+    if autocast and t.checkpointing != "full":
+        # torch.autocast over fp32 weights keeps the residual stream in fp32: both norms save a 4-byte
+        # input (+2 s b h each), and each of separate q, k, v projections casts its own 16-bit copy of
+        # the norm's output (+4 s b h; one copy when q, k, v are one fused matrix). Measured per layer
+        # on CPU ranks: 40 s b h, against 32 for the same model in pure bf16
+        out += s * b * h * (4 + (0 if _fused_qkv(m) else 4)) / (tp if sp else 1)
+    return out
 
 
-def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool = True) -> float:
-    """Peak activation bytes on the busiest device (see the module docstring)."""
+def _fused_qkv(m: ModelShape) -> bool:
+    """Whether q, k and v are one matrix (nanoGPT's c_attn, GPT-2's Conv1D); unknown: separate."""
+    h = m.hidden or 0
+    return bool(h) and any(n == 3 * h * h for n in m.numels)
+
+
+def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool = True,
+                autocast: bool = False) -> float:
+    """Peak activation bytes on the busiest device, at backward's start (see the module docstring).
+    ``autocast``: 16-bit compute over fp32 weights (torch.autocast), which saves a 16-bit copy of every
+    weight a matmul uses and keeps the residual stream in fp32."""
     if not (m.layers and m.hidden and m.heads and (t.seq or m.seq)):
         return 0.0
-    per_layer = _act_per_layer(m, t, tp, sp and tp > 1)
-    head = (t.seq or m.seq) * t.micro_batch * (m.vocab or 0) * 6 / tp
-    return m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
+    per_layer = _act_per_layer(m, t, tp, sp and tp > 1, autocast and t.precision != "fp32")
+    s, b = (t.seq or m.seq), t.micro_batch
+    # the loss over fp32 logits: log_softmax's output, saved, and backward's first two gradients
+    # (nll's, then log_softmax's), alive together as backward starts: 12 bytes x s b V
+    head = s * b * (m.vocab or 0) * 12 / tp
+    out = m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
+    if autocast and t.precision != "fp32" and t.checkpointing != "full":
+        # autocast's cached 16-bit weights, saved for backward: every matmul weight (all but the
+        # token embedding) in 2 bytes (full recomputation saves only each layer's input)
+        out += 2 * max(m.params - (m.vocab or 0) * m.hidden, 0) / (tp * pp)
+    return out
 
 
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
@@ -280,7 +324,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     numels = list(m.numels) or [psi]
     largest = m.largest_layer or 0
     frac = (n - 1) / n if n > 1 else 0.0
-    act = activations(m, t, tp, pp, sp)
+    act = activations(m, t, tp, pp, sp, autocast=mixed and (layout == DDP or bool(layout.mesh)))
     e.device["activations"] = act
     if hw.workspace:  # cuBLAS's workspaces, from the same allocator as the tensors (nbtool.plan.inputs)
         e.device["workspace"] = hw.workspace
@@ -330,6 +374,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         exposed = e.comm_s
         dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
+        _peak_phase(e, t, adam and not cpu, buffers_at_step=False)
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -429,4 +474,29 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     # gloo's collectives on CPU ranks share the cores with compute: the recorder shows the thread
     # blocked for about all of their time (exposed = busy for fsdp, zero1/2, tp), so none is hidden
     e.exposed_comm_s = e.comm_s if cpu else max(0.0, e.comm_s - 2 / 3 * e.compute_s)
+    if layout.is_zero:  # DeepSpeed's estimator counts its own buffers, whatever the moment
+        e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
+    else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
+        _peak_phase(e, t, adam and not cpu, buffers_at_step=layout == DDP)
     return e
+
+
+def _peak_phase(e: Estimate, t: Training, foreach_adam: bool, buffers_at_step: bool) -> None:
+    """Set ``e.device`` to the larger of two moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
+    gradients set to None by zero_grad):
+
+    - backward's start: every activation saved, no gradient yet (with gradient accumulation, the
+      earlier micro-batches' gradients are there);
+    - the optimizer step: activations gone, gradients there, the buffers only where they persist
+      (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
+      a pipeline's gradient being added), and on GPUs Adam's foreach kernels' temporary (the square
+      root of the second moments: one more fp32 copy of the parameters, as torch's default foreach
+      Adam computes it over all of them at once).
+    """
+    e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
+    start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
+    step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
+    if foreach_adam:
+        step["buffers"] = step.get("buffers", 0) + e.states["optimizer"] / 2
+    e.device, e.peak_phase = max((start, "backward start"), (step, "optimizer step"),
+                                 key=lambda d: sum(d[0].values()))

@@ -110,7 +110,7 @@ def _label(e: Estimate) -> str:
 
 def _split(e: Estimate) -> str:
     ordered = sorted(e.device.items(), key=lambda kv: kv[0] == "workspace")  # the libraries' share last
-    return ", ".join(f"{k} {_gb(v)}" for k, v in ordered if v)
+    return ", ".join(f"{k} {_gb(v)}" for k, v in ordered if v) + (f", at the {e.peak_phase}" if e.peak_phase else "")
 
 
 def _advice(m: ModelShape, t: Training, hw: Hardware, ests: list[Estimate]) -> list[str]:

@@ -374,7 +374,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     summary = run_analysis.summary(run)
     rows, notes = [], []
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}
-    predicted_states = sum(e.device.get(k, 0) for k in ("params", "grads", "optimizer"))
+    predicted_states = sum(e.states.values())
     mesh = layout.startswith(("tp", "pp"))
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
     # the ledger theory is exact where the planner uses it; ZeRO in mixed precision with Adam uses
@@ -398,9 +398,15 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
-    # the same measure on both sides: tracked tensors (a CUDA run's peak is the allocator's)
-    typical = typical_peak(run) if all(m.cuda_peak is None for m in run.memory) else None
-    if peak and typical and peak > 1.05 * typical:  # not a typical step's: say where it came from
+    # the same measure on both sides: tracked tensors, or on CUDA ranks the allocator's peak
+    cuda_steps = steps_cuda_peak(run)
+    typical = typical_peak(run) if all(m.cuda_peak is None for m in run.memory) else cuda_steps
+    if peak and typical and peak > 1.05 * typical and cuda_steps is not None:
+        notes.append(f"steps 2..N peak at {format_bytes(typical)} on the CUDA allocator (predicted "
+                     f"{_percent((e.device_total - typical) / typical)}); the run's peak came before the first "
+                     "optimizer step ended (the set-up: the model moved and wrapped, the optimizer's state "
+                     "created), which the planner's step leaves out")
+    elif peak and typical and peak > 1.05 * typical:  # not a typical step's: say where it came from
         step = run_analysis.peak_step(run)
         where = ("before the first optimizer step ended (the set-up: the model built and wrapped, the "
                  "optimizer's state created)" if step == 1 else
@@ -481,6 +487,13 @@ def peak_tensors(run) -> tuple[float | None, str, dict]:
         _, parts = run_analysis.busiest_timeline(run).peak()
         return sum(parts.values()), "tracked tensors at their peak (--memory-timeline), max rank", parts
     return None, "not measured on CPU ranks without --memory-timeline", {}
+
+
+def steps_cuda_peak(run) -> float | None:
+    """The CUDA allocator's peak over steps 2..N, max rank (the recorder resets the counter when the
+    first optimizer step ends); None on CPU ranks or before a second step."""
+    after = [m.cuda_peak for m in run.memory if m.cuda_peak is not None and m.cuda_peak_since >= 1]
+    return max(after) if after else None
 
 
 def typical_peak(run) -> float | None:

@@ -133,8 +133,9 @@ def _free_times(prof, device) -> tuple[list, dict]:
 
     - made inside a collective: when the last work that used it ended (the worker's ``gloo:*``
       events list their tensors);
-    - sent (a send's input) and held by no Python tensor now (the cell is over): when the last send
-      of it ended;
+    - sent (a send's input), or only ever broadcast (the source rank's flat copy in DDP's start-up
+      broadcast of the parameters), and held by no Python tensor now (the cell is over): when the
+      last send or broadcast of it ended;
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
@@ -144,13 +145,15 @@ def _free_times(prof, device) -> tuple[list, dict]:
     events = sorted((e for e in every if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type),
                     key=lambda e: e.start_time_ns)
     works = [e for e in every if e.tag == _EventType.TorchOp and _name(e).startswith(("gloo:", "c10d::"))]
-    used_until, sent = {}, set()  # (address, allocation id) -> when the last work using it ended
+    used_until, uses = {}, {}  # (address, allocation id) -> when the last work using it ended, its ops
     for w in works:
         for t in _tensors(w.extra_fields.inputs):
             key = (t.storage_data_ptr, t.allocation_id)
             used_until[key] = max(used_until.get(key, 0), w.end_time_ns)
-            if "send" in _name(w):
-                sent.add(key)
+            uses.setdefault(key, set()).add(_name(w))
+    # handed to the backend: sent, or only ever broadcast (DDP's start-up broadcast of a flat copy of
+    # the parameters, whose last reference the source rank's gloo worker drops)
+    sent = {k for k, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     ends = {id(w): w.end_time_ns for w in works}
     alive = _python_tensor_addresses() if sent else frozenset()  # a walk of every object: only if needed
     allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed

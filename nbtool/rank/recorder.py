@@ -82,6 +82,7 @@ class Recorder:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.step = 0
+        self._peak_since = 0  # MemorySample.cuda_peak_since
         self._device = rank_device()  # the sampler thread must not fall back to cuda:0
         self._cuda = self._device.type == "cuda"
         self._pending_events: list = []
@@ -101,6 +102,7 @@ class Recorder:
         watchdog.observe(self._call)
         _time_waits(self)
         self._stop.clear()  # restartable: benchmarks toggle recording between steps
+        self._peak_since = 0
         if self._cuda:  # cuda_peak is this run's high-water mark, not the process's since it began
             torch.cuda.reset_peak_memory_stats(self._device)
         self._sample("interval")
@@ -176,6 +178,11 @@ class Recorder:
         self.step = step
         self._add(StepMarker(self.rank, step, time.time()))
         self._sample("step", ledger)
+        if step == 1 and self._cuda:
+            # from here the allocator's peak is that of steps 2..N (what the planner predicts); the
+            # sample just taken keeps the set-up's and first step's
+            torch.cuda.reset_peak_memory_stats(self._device)
+            self._peak_since = 1
 
     def on_record(self, record) -> None:
         """Any other record a strategy makes (e.g. a PipelineStep)."""
@@ -246,6 +253,7 @@ class Recorder:
             sample.cuda_allocated = torch.cuda.memory_allocated(self._device)
             sample.cuda_reserved = torch.cuda.memory_reserved(self._device)
             sample.cuda_peak = torch.cuda.max_memory_allocated(self._device)
+            sample.cuda_peak_since = self._peak_since
             if workspace:
                 sample.cuda_workspace = _cublas_workspace_bytes(self._device)
             if self._driver is None:

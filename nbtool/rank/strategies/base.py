@@ -298,6 +298,9 @@ class Strategy:
             return None
         before = self._make_ledger("pre", only=("grads",))  # only its gradients are kept
         out = self._step(closure)
+        from .. import watchdog
+
+        watchdog.release_finished()  # the step's finished collectives' Works hold their buffers
         self._steps += 1
         after = self._make_ledger(f"step {self._steps}")
         after.grads = before.grads
