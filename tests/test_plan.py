@@ -441,6 +441,12 @@ def test_peak_is_the_larger_of_backward_start_and_the_optimizer_step():
                             Training(micro_batch=8, seq=512, grad_accum=4), hw)
     assert accumulating.device["grads"] > 0  # earlier micro-batches' gradients are there as backward starts
     assert _model_states(big) == _model_states(small) == _model_states(accumulating)
+    # CPU ranks: torch's Adam runs one tensor at a time there (no foreach): the largest tensor's square
+    # root and quotient are what the step adds (measured in a tp step's peak)
+    m = ModelShape.from_module(TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32), seq=32)
+    cpu = estimate("ddp", m, Training(micro_batch=1, seq=4, precision="fp32"), HARDWARE_PRESETS["2 CPU ranks (gloo)"])
+    assert cpu.peak_phase == "optimizer step"
+    assert cpu.device["buffers"] == cpu.states["grads"] + 2 * 4 * max(m.numels)
 
 
 def test_fused_qkv_casts_the_norm_output_once_under_autocast():
@@ -471,7 +477,7 @@ def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parall
     t = Training(micro_batch=8, seq=32, precision="bf16")
     hw = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
     sbh = 32 * 8 * 128
-    head = 32 * 8 * 256 * 12 / 2
+    head = 32 * 8 * 256 * 12  # the head stays replicated: whole logits on each tp rank
     # autocast over fp32 weights (tp's bf16): fp32 norm inputs and per-projection casts, 8 s b h a layer
     # (split by sp), and each tp rank's share of the 16-bit weight copies
     weights = 2 * (10**6 - 256 * 128) / 2

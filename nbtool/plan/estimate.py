@@ -38,7 +38,8 @@ Sources, per figure:
   is added to .grad: a buffer). The LM head adds s b V x 12 bytes as
   backward starts: the loss's fp32 log-softmax output, saved, and
   backward's first two gradients (nll's, log-softmax's; measured on CPU
-  ranks and an H200). fp32 training doubles activations. Mixed precision by
+  ranks and an H200), whole on every tp rank (nbtool's tp keeps the head
+  replicated). fp32 training doubles activations. Mixed precision by
   torch.autocast over fp32 weights (ddp, tp, pp) saves more than the pure
   16-bit count: a 16-bit copy of every matmul weight (2 bytes x all but the
   token embedding), both norms' fp32 inputs (+4 s b h a layer) and one copy
@@ -50,8 +51,9 @@ Sources, per figure:
   zero_grad) is the larger of two moments: backward's start, every
   activation saved and no gradient yet (with gradient accumulation the
   earlier micro-batches' are there), and the optimizer step, gradients and
-  no activations, plus on GPUs foreach Adam's temporary (one fp32 copy of
-  the parameters). ``Estimate.device`` holds that moment's bytes,
+  no activations, plus Adam's temporaries: on GPUs its foreach kernels'
+  (one fp32 copy of the parameters), on CPU ranks, one tensor at a time,
+  two copies of the largest (its second moment's square root and quotient). ``Estimate.device`` holds that moment's bytes,
   ``Estimate.states`` what the device owns over the step (the ledger's).
 - communication per optimizer step, in bus bytes (S x nccl-tests factor):
   DDP all-reduce 2 (n-1)/n Psi g; FSDP without resharding reduce-scatters
@@ -290,8 +292,9 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     per_layer = _act_per_layer(m, t, tp, sp and tp > 1, autocast and t.precision != "fp32")
     s, b = (t.seq or m.seq), t.micro_batch
     # the loss over fp32 logits: log_softmax's output, saved, and backward's first two gradients
-    # (nll's, then log_softmax's), alive together as backward starts: 12 bytes x s b V
-    head = s * b * (m.vocab or 0) * 12 / tp
+    # (nll's, then log_softmax's), alive together as backward starts: 12 bytes x s b V, whole on every
+    # tp rank (nbtool's tp keeps the head replicated: measured, the full s b V on each)
+    head = s * b * (m.vocab or 0) * 12
     out = m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
     if autocast and t.precision != "fp32" and t.checkpointing != "full":
         # autocast's cached 16-bit weights, saved for backward: every matmul weight (all but the
@@ -374,7 +377,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         exposed = e.comm_s
         dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
-        _peak_phase(e, t, adam and not cpu, buffers_at_step=False)
+        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False)
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -477,11 +480,23 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     if layout.is_zero:  # DeepSpeed's estimator counts its own buffers, whatever the moment
         e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
-        _peak_phase(e, t, adam and not cpu, buffers_at_step=layout == DDP)
+        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
+                    buffers_at_step=layout == DDP)
     return e
 
 
-def _peak_phase(e: Estimate, t: Training, foreach_adam: bool, buffers_at_step: bool) -> None:
+def _adam_temporary(e: Estimate, m: ModelShape, adam: bool, cpu: bool, split: int) -> float:
+    """Bytes torch's Adam allocates inside its step: on GPUs its foreach kernels take the square root of
+    every second moment at once (one fp32 copy of the parameters a device owns); on CPU ranks, one
+    tensor at a time, the largest one's square root and its quotient (measured: 2-3 of them alive in
+    the step's peak). ``split``: how many ways each tensor is sharded (fsdp, tp)."""
+    if not adam:
+        return 0.0
+    if not cpu:
+        return e.device.get("optimizer", 0) / 2
+    return 2 * 4 * (max(m.numels) if m.numels else (m.largest_layer or 0)) / split
+
+def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool) -> None:
     """Set ``e.device`` to the larger of two moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
     gradients set to None by zero_grad):
 
@@ -489,14 +504,12 @@ def _peak_phase(e: Estimate, t: Training, foreach_adam: bool, buffers_at_step: b
       earlier micro-batches' gradients are there);
     - the optimizer step: activations gone, gradients there, the buffers only where they persist
       (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
-      a pipeline's gradient being added), and on GPUs Adam's foreach kernels' temporary (the square
-      root of the second moments: one more fp32 copy of the parameters, as torch's default foreach
-      Adam computes it over all of them at once).
+      a pipeline's gradient being added), and the optimizer's ``temporary`` (_adam_temporary).
     """
     e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
     start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
     step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
-    if foreach_adam:
-        step["buffers"] = step.get("buffers", 0) + e.states["optimizer"] / 2
+    if temporary:
+        step["buffers"] = step.get("buffers", 0) + temporary
     e.device, e.peak_phase = max((start, "backward start"), (step, "optimizer step"),
                                  key=lambda d: sum(d[0].values()))
