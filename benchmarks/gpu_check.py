@@ -143,16 +143,11 @@ def large_checks(ip, checks: Checks, a, tag: str) -> None:
                 error = (predicted - steps) / steps
                 peak_ok = abs(error) <= 0.10
                 text += f"; steps 2..N allocator peak {steps / 2**20:.1f} MiB ({error:+.0%} predicted)"
+            print("\n".join("    " + x for x in run_analysis.timeline_lines(run)))
             for t in run.timelines:  # one line per step: its peak and what it held then
-                print("\n".join("    " + x for x in run_analysis.timeline_lines(run)[:2]))
-                ends = sorted(m.t for m in run.steps if m.rank == t.rank)
-                totals = t.totals()
-                for k, (lo, hi) in enumerate(zip([t.t0 - 1] + ends, ends)):
-                    inside = [j for j, x in enumerate(t.times) if lo < t.t0 + x <= hi]
-                    if inside:
-                        j = max(inside, key=totals.__getitem__)
-                        print(f"    step {k + 1} peak {totals[j] / 2**20:.1f} MiB: " + ", ".join(
-                            f"{c} {col[j] / 2**20:.1f}" for c, col in zip(t.categories, t.bytes) if col[j] > 2**19))
+                for step, j in sorted(run_analysis.step_peak_points(run, t).items()):
+                    print(f"    rank {t.rank} step {step} peak {sum(t.at(j).values()) / 2**20:.1f} MiB: " + ", ".join(
+                        f"{c} {b / 2**20:.1f}" for c, b in t.at(j).items() if b > 2**19))
             return ("PASS" if peak_ok else "FAIL"), text
         checks.run(f"{line} --precision bf16, 117M parameters (bf16{tag}): peak within 10% of the planner's", large)
 

@@ -180,20 +180,29 @@ def outside_allocator(samples) -> dict[int, int]:
     return out
 
 
+def step_peak_points(run: RunRecords, t) -> dict[int, int]:
+    """{step: index into ``t``'s points of its highest total} for timeline ``t`` of a
+    ``--memory-timeline`` run, a step running from the previous optimizer step's end to its own
+    (step 1 from the cell's start: the set-up and the optimizer's first state)."""
+    ends = sorted((m.t, m.step) for m in run.steps if m.rank == t.rank)
+    totals = t.totals()
+    out = {}
+    for (a, _), (b, step) in zip([(float("-inf"), 0)] + ends, ends):
+        inside = [j for j, x in enumerate(t.times) if a < t.t0 + x <= b]
+        if inside:
+            out[step] = max(inside, key=totals.__getitem__)
+    return out
+
+
 def step_peaks(run: RunRecords) -> dict[int, dict[int, int]]:
     """{rank: {step: the peak of tracked tensor bytes within it}} for steps 2..N of a
-    ``--memory-timeline`` run, a step running from the previous optimizer step's end to its own
-    (step 1 holds the set-up and the optimizer's first state, so it is left out)."""
+    ``--memory-timeline`` run (step 1 holds the set-up and the optimizer's first state, so it is
+    left out; see step_peak_points)."""
     out = {}
     for t in run.timelines:
-        ends = sorted((m.t, m.step) for m in run.steps if m.rank == t.rank)
         totals = t.totals()
-        peaks = {}
-        for (a, _), (b, step) in zip(ends, ends[1:]):
-            inside = [v for x, v in zip(t.times, totals) if a < t.t0 + x <= b]
-            if inside:
-                peaks[step] = max(inside)
-        out[t.rank] = peaks
+        first = min((m.step for m in run.steps if m.rank == t.rank), default=None)
+        out[t.rank] = {step: totals[j] for step, j in step_peak_points(run, t).items() if step != first}
     return out
 
 

@@ -53,8 +53,9 @@ Sources, per figure:
   earlier micro-batches' are there), and the optimizer step, gradients and
   no activations, plus Adam's temporaries: on GPUs its foreach kernels'
   (one fp32 copy of the parameters), on CPU ranks, one tensor at a time,
-  two copies of the largest (its second moment's square root and quotient). ``Estimate.device`` holds that moment's bytes,
-  ``Estimate.states`` what the device owns over the step (the ledger's).
+  two copies of the largest (its second moment's square root and quotient).
+  ``Estimate.device`` holds that moment's bytes, ``Estimate.states`` what
+  the device owns over the step (the ledger's).
 - communication per optimizer step, in bus bytes (S x nccl-tests factor):
   DDP all-reduce 2 (n-1)/n Psi g; FSDP without resharding reduce-scatters
   gradients and all-gathers parameters, 2 (n-1)/n Psi; FSDP all-gathers
@@ -495,6 +496,7 @@ def _adam_temporary(e: Estimate, m: ModelShape, adam: bool, cpu: bool, split: in
     if not cpu:
         return e.device.get("optimizer", 0) / 2
     return 2 * 4 * (max(m.numels) if m.numels else (m.largest_layer or 0)) / split
+
 
 def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool) -> None:
     """Set ``e.device`` to the larger of two moments of a step (DDP, FSDP, tp/pp: torch's optimizers,

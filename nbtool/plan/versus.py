@@ -398,10 +398,10 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e, training) if peak is not None else ""))
-    # the same measure on both sides: tracked tensors, or on CUDA ranks the allocator's peak
-    cuda_steps = steps_cuda_peak(run)
-    typical = typical_peak(run) if all(m.cuda_peak is None for m in run.memory) else cuda_steps
-    if peak and typical and peak > 1.05 * typical and cuda_steps is not None:
+    # the same measure on both sides: on CUDA ranks the allocator's peak, else tracked tensors
+    cuda = any(m.cuda_peak is not None for m in run.memory)
+    typical = steps_cuda_peak(run) if cuda else typical_peak(run)
+    if peak and typical and peak > 1.05 * typical and cuda:
         notes.append(f"steps 2..N peak at {format_bytes(typical)} on the CUDA allocator (predicted "
                      f"{_percent((e.device_total - typical) / typical)}); the run's peak came before the first "
                      "optimizer step ended (the set-up: the model moved and wrapped, the optimizer's state "

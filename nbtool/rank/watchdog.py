@@ -9,7 +9,8 @@ the op, its size, this rank's collective sequence number and the main
 thread's Python stack. The kernel asks a rank that is not in a collective
 for its stack with SIGUSR1 (delivered through ipyparallel's nanny).
 
-The cost is one dict insert and delete per collective; sizes are worked out
+The cost is one dict insert and delete per collective, and a completion check
+of the async ones still noted (finished ones are let go); sizes are worked out
 only when a report is made.
 """
 from __future__ import annotations
@@ -102,7 +103,7 @@ def _wrap(name: str, fn):
     def wrapper(*args, **kwargs):
         if getattr(_local, "depth", 0):  # a wrapper calling its replacement: counted once
             return fn(*args, **kwargs)
-        release_finished()
+        release_finished(quick=True)
         _state["issued"] += 1
         seq = _state["issued"]
         entry = InFlight(name, args, kwargs, time.monotonic())
@@ -162,18 +163,19 @@ def _watch() -> None:
             pass
 
 
-def release_finished() -> None:
+def release_finished(quick: bool = False) -> None:
     """Let go of the async calls whose work has completed. Their Work holds the collective's tensors:
     kept until the next poll (POLL_S), a step-1 DDP work kept its gradient bucket alive through step 2
     after DDP rebuilt its buckets (+1 gradient copy at that step's peak, 450 MiB for a 117M model on an
-    H200); so also at each new collective and at each optimizer step (strategies call this)."""
+    H200); so also at each new collective and at each optimizer step (strategies call this).
+    ``quick`` (on a collective's path): the completion flag only, no future asked for."""
     for seq, entry in list(_inflight.items()):
         work = entry.work
-        if work is not None and _finished(work):
+        if work is not None and _finished(work, quick):
             _inflight.pop(seq, None)
 
 
-def _finished(work) -> bool:
+def _finished(work, quick: bool = False) -> bool:
     """Whether an async work is done: its flag, or its future (gloo completes the future a moment
     before the flag, and DDP has already waited on the future when the optimizer step comes)."""
     try:
@@ -181,6 +183,8 @@ def _finished(work) -> bool:
             return True
     except Exception:
         return True
+    if quick:
+        return False
     try:
         return work.get_future().done()
     except Exception:  # gloo send/recv: no future
