@@ -3,14 +3,19 @@
 On one 2-rank cluster, for sizes 1 MiB .. 64 MiB: busbw from
 ``%commbench all_reduce --repeat R`` against a raw, hand-written timed loop of
 ``dist.all_reduce`` on the same ranks, measured the same way (warm-up, R
-batches of ``iters`` calls after a barrier each, the slowest rank per batch,
-the median over batches). The two arms alternate ``--rounds`` times, in
-alternating order, on the same warm processes.
+batches after a barrier each, the slowest rank per batch, the median over
+batches). Each batch is at least ``--iters`` calls and ``--batch-mib`` MiB, so
+small sizes, whose calls on this machine are either ~0.5 ms or a ~4 ms
+scheduler tick, get enough calls for a batch's mean to settle. Size by size,
+the arms run back to back (rotating which goes first), ``--rounds`` times, on
+the same warm processes, with a third arm: the raw loop again, an A/A control
+whose ratio to the raw arm is what noise alone gives.
 
 Prints per size the medians over rounds and the spread of the per-round
 ratios, then:
-- ``commbench_fidelity``: the smallest per-size ratio of the medians
+- ``commbench_fidelity``: the smallest per-size median of the per-round ratios
   (nbtool / raw); target >= 0.95 (the tool must not distort what it measures);
+  ``aa_fidelity`` next to it: the same figure for the control;
 - ``commbench_repeatability``: at sizes >= 4 MiB, the largest run-to-run
   spread (max - min) / median of nbtool's per-call median busbw; target <= 10%;
   next to it the same spread of the raw loop on the same ranks
@@ -48,59 +53,75 @@ def raw_loop(size_bytes: int, iters: int, warmup: int, repeat: int) -> list[floa
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--iters", type=int, default=20, help="calls per batch, at least")
+    ap.add_argument("--batch-mib", type=int, default=256,
+                    help="and at least this many MiB per batch: small sizes get more calls")
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     ip = cluster_shell()
     view = nbtool_cluster(ip).view([0, 1])
-    nb = {s: [] for s in SIZES}
-    raw = {s: [] for s in SIZES}
+    nb, raw, ctl = ({s: [] for s in SIZES} for _ in range(3))
 
-    def nbtool_arm():
-        res = ip.run_line_magic("commbench", f"all_reduce --sizes 1MB:64MB --iters {a.iters} --warmup {a.warmup} "
+    def iters(s):
+        return max(a.iters, a.batch_mib * 2**20 // s)
+
+    def nbtool_arm(s):
+        res = ip.run_line_magic("commbench", f"all_reduce --sizes {s}B --iters {iters(s)} --warmup {a.warmup} "
                                              f"--repeat {a.repeat}")
         assert res.wrong == 0
-        for r in res.rows:
-            nb[r["size_bytes"]].append(r["busbw"])
+        nb[s].append(res.rows[0]["busbw"])
 
-    def raw_arm():
-        for s in SIZES:
-            per_rank = view.apply_sync(raw_loop, s, a.iters, a.warmup, a.repeat)
-            t = statistics.median(max(vals) for vals in zip(*per_rank))  # slowest rank per batch
-            raw[s].append(s / t * 2 * (2 - 1) / 2)
+    def raw_busbw(s):
+        per_rank = view.apply_sync(raw_loop, s, iters(s), a.warmup, a.repeat)
+        t = statistics.median(max(vals) for vals in zip(*per_rank))  # slowest rank per batch
+        return s / t * 2 * (2 - 1) / 2
 
+    arms = (nbtool_arm, lambda s: raw[s].append(raw_busbw(s)), lambda s: ctl[s].append(raw_busbw(s)))
+    # size by size, the arms back to back (rotating which goes first), so each triple is measured
+    # within seconds: this machine's bandwidth drifts over seconds. The third arm is the raw loop
+    # again (an A/A control): its ratio to the raw arm is what the noise alone gives
     for i in range(a.rounds):
-        for arm in ((nbtool_arm, raw_arm) if i % 2 == 0 else (raw_arm, nbtool_arm)):
-            arm()
-    ratios, spreads, raw_spreads = [], [], []
-    print(f"{'size':>10} {'nbtool busbw GB/s':>18} {'raw busbw GB/s':>15} {'ratio':>6} {'per-round ratios':>18} "
-          f"{'nbtool run-to-run':>18} {'raw run-to-run':>15}")
+        for j, s in enumerate(SIZES):
+            k = (i + j) % 3
+            for arm in arms[k:] + arms[:k]:
+                arm(s)
+    ratios, controls, spreads, raw_spreads = [], [], [], []
+    print(f"{'size':>10} {'calls':>6} {'nbtool GB/s':>12} {'raw GB/s':>9} {'nbtool/raw':>10} {'per-round':>13} "
+          f"{'raw/raw (A/A)':>13} {'per-round':>13} {'nbtool run-to-run':>18} {'raw run-to-run':>15}")
     for s in SIZES:
         n_bw, r_bw = statistics.median(nb[s]), statistics.median(raw[s])
         pair = [x / y for x, y in zip(nb[s], raw[s])]
+        aa = [x / y for x, y in zip(ctl[s], raw[s])]
         spread = (max(nb[s]) - min(nb[s])) / n_bw
         raw_spread = (max(raw[s]) - min(raw[s])) / r_bw
-        ratios.append(n_bw / r_bw)
+        ratios.append(statistics.median(pair))
+        controls.append(statistics.median(aa))
         if s >= 4 * 2**20:
             spreads.append(spread)
             raw_spreads.append(raw_spread)
-        print(f"{s // 2**20:>7} MiB {n_bw / 1e9:>18.3f} {r_bw / 1e9:>15.3f} {n_bw / r_bw:>6.3f} "
-              f"{min(pair):>8.3f}..{max(pair):<8.3f} {spread:>17.1%} {raw_spread:>15.1%}")
+        print(f"{s // 2**20:>6} MiB {iters(s):>6} {n_bw / 1e9:>12.3f} {r_bw / 1e9:>9.3f} {ratios[-1]:>10.3f} "
+              f"{min(pair):>6.3f}..{max(pair):<5.3f} {controls[-1]:>13.3f} {min(aa):>6.3f}..{max(aa):<5.3f} "
+              f"{spread:>18.1%} {raw_spread:>15.1%}")
     ip.run_line_magic("cluster", "stop")
     fidelity, repeatability = min(ratios), max(spreads)
+    floor = min(min(controls), 1 / max(controls))
     print(f"target commbench_fidelity >= 0.95: {'met' if fidelity >= 0.95 else 'NOT met'}; "
           f"commbench_repeatability <= 10%: {'met' if repeatability <= 0.10 else 'NOT met'} "
-          f"({a.rounds} rounds, {a.repeat} x {a.iters} calls per size and round)")
+          f"({a.rounds} rounds, {a.repeat} batches per size and round, each >= {a.iters} calls and "
+          f">= {a.batch_mib} MiB)")
     # the noise of a shared 2-core machine moves single sizes both ways; a tool that distorts would
-    # move them one way: the median over sizes says which
+    # move them one way: the median over sizes says which, and the A/A control says how far noise
+    # alone reaches when the same loop is compared with itself
     print(f"median over sizes of the ratio: {statistics.median(ratios):.3f} (a distortion moves every size "
           f"one way; noise moves them both ways)")
+    print(f"aa_fidelity={floor:.3f} (the same figure for the raw loop against itself: how far the noise alone "
+          f"reaches on this machine; nbtool's worst size is {fidelity - 1:+.1%} off the raw loop, the control's "
+          f"{floor - 1:+.1%})")
     print(f"commbench_repeatability={repeatability:.3f} (raw_repeatability={max(raw_spreads):.3f}: the same "
           "spread of the hand-written loop on the same ranks)")
     print(f"commbench_fidelity={fidelity:.3f}")
-
 
 if __name__ == "__main__":
     main()

@@ -116,6 +116,12 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert len(final) == 1 and sum(final[0]) >= counts[-1]
     title = lab.js("return document.querySelectorAll('.jp-Cell')[2].querySelector('.gtitle').textContent")
     assert "ddp:" in title and "optimizer steps" in title
+    # under the run, the planner's figures next to the measured ones (model states exact in fp32)
+    out = lab.output_text(2)
+    assert "predicted vs measured, run 'ddp'" in out, out
+    states = next(line for line in out.splitlines() if line.startswith("model states"))
+    assert "+0.0% ok" in states and "ledger" in states, states
+    assert all(f in out for f in ("peak tensor memory", "step time", "exposed comm", "throughput")), out
 
     # %cluster status: a table whose caption is left-aligned
     lab.run_and_wait(3, 30)
@@ -153,6 +159,7 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert len(lab.plots(8)) == 3  # each run's static copy, then the comparison's figure
     assert "fsdp" in lab.output_text(8) and "vs first" in lab.output_text(8)
     assert "compile s" in lab.output_text(8)  # torch.compile's seconds, apart from the step times
+    assert "planner's error (predicted - measured) / measured" in lab.output_text(8)
 
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
