@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import pytest
 
+import nbtool
+
 pytestmark = pytest.mark.slow
 
 SETUP = """%%distributed --quiet
@@ -180,6 +182,19 @@ def test_every_strategy_trains_real_models_as_ddp_does(nano, family, strategy):
     nano.run_line_magic("dist_pull", "_run --rank 0")
     run = nano.user_ns["_run"]
     assert len(run) == len(ref) and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, run)), (ref, run)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "nanogpt"])
+def test_the_planner_counts_weights_tied_across_pipeline_stages(nano, family):
+    """GPT-2 and nanoGPT tie the embedding to the head: under pp both stages hold a copy and nbtool sums
+    their gradients over pp every step. The planner counts the copy and the all-reduce: bus bytes per
+    step exact (they were a third short), and model states exact on average over the stages (the
+    planner splits the model evenly; the position embedding sits on the first stage only)."""
+    nano.run_cell(f"%%distributed pp --quiet\n_run = _losses(strategy, {family!r})").raise_error()
+    v = nbtool.predicted_vs_measured()
+    assert abs(v.row("bus bytes / step").error) < 0.001, v.text()
+    stages = [r.measured for r in v.rows if r.figure.startswith("  model states, rank")]
+    assert len(stages) == 2 and sum(stages) / 2 == v.row("model states").predicted, v.text()
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt"])

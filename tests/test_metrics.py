@@ -384,6 +384,25 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert "predicted vs measured, run" in out
 
 
+def test_overlap_comm_is_advised_on_gpus_only_with_the_bucket_it_costs(ranks):
+    """On CPU ranks DeepSpeed reduces on the training thread whatever --overlap-comm says (measured: the
+    same exposed time, and a second reduce bucket in memory): never advised there. The same run with
+    GPU memory samples is advised it, with the exposed time it can hide and the second bucket's bytes."""
+    from nbtool.plan.advice import suggest
+
+    magics = ranks.magics_manager.registry["NbtoolMagics"]
+    run = record(ranks, "zero2 --reduce-bucket-mb 0.05", steps=6)  # 3 buckets a step: 3 blocking all-reduces
+    summary = run_analysis.summary(run)
+    assert summary["exposed_s_per_step"] > 0.1 * summary["step_s"], summary  # what makes it worth advising
+    assert not any("--overlap-comm" in s.line for s in magics.session.advice), magics.session.advice
+    run.add([MemorySample(0, run.t_start + 1.0, 2, "interval", rss=2**30, cuda_reserved=2**30)])
+    (s,) = [s for s in suggest(run, nbtool.predicted_vs_measured()) if "--overlap-comm" in s.line]
+    assert s.line == "zero2 --overlap-comm --reduce-bucket-mb 0.05" and s.figure == "exposed comm / step"
+    assert s.before == summary["exposed_s_per_step"] and 0 <= s.predicted < s.before
+    bucket = metrics.format_bytes(int(0.05 * 2**20) // 4 * 4)  # 0.05 MiB in whole fp32 elements
+    assert f"memory +{bucket} (a second reduce bucket)" in s.effect, s.effect
+
+
 def test_cuda_timeline_names_the_cublas_workspaces_in_unknown():
     """On CUDA the profiler files cuBLAS's workspaces under "unknown" (64 MiB on an H200): the
     timeline says so with the size the recorder measured; a CPU timeline, with none measured, is left alone."""

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from .. import run_analysis
 from ..spec import StrategySpec
 from . import cpu_costs
-from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate
+from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
 from .inputs import Hardware, ModelShape, Training
 from .layouts import layout as as_layout
 from .model_states import PERSISTENCE_THRESHOLD
@@ -188,7 +188,7 @@ def compress_factor(run) -> float:
 
 def layout_options(run) -> dict:
     """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate), pipeline
-    schedule (--schedule, --virtual-stages) and sequence parallelism (--sp)."""
+    schedule (--schedule, --virtual-stages), sequence parallelism (--sp) and weights tied across stages."""
     from ..spec import hsdp_dims, pipeline_schedule
 
     spec = spec_of(run)
@@ -202,6 +202,7 @@ def layout_options(run) -> dict:
         out["whole"] = int(details.get("tp_replicated_elements", 0))
     if run.description.dims is not None:
         out["sp"] = bool(spec.sp)
+        out["tied"] = tuple(details.get("pp_tied_elements", ()))
     return out
 
 
@@ -336,7 +337,7 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
         layout, shape, training, tp, pp = planner_inputs(run)
     except ValueError:
         return replace(hw, name=", ".join(what) or "nothing measured")
-    tokens = training.micro_batch * (training.seq or 1) * training.grad_accum
+    tokens = training.micro_batch * sequence(shape, training)[0] * training.grad_accum
     if compute and tokens:
         mixed = training.precision in ("bf16", "fp16")
         flops = 6 * shape.params * tokens * (4 / 3 if training.checkpointing == "full" else 1) / (tp * pp)
@@ -355,6 +356,20 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
+def run_estimate(run, hw: Hardware, **changes) -> Estimate:
+    """The planner's estimate of ``run`` on ``hw``, with the options the run used (DeepSpeed's config,
+    DDP's compression, the layout's); ``changes`` override them (advice: what a changed line would do)."""
+    layout, shape, training, tp, pp = planner_inputs(run)
+    zero = _zero_config(run)
+    options = dict(persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
+                   reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
+                   reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
+                                       zero.get("stage3_max_live_parameters", REUSE_LIMIT))),
+                   compress=compress_factor(run), overlap_comm=bool(zero.get("overlap_comm", False)),
+                   **layout_options(run))
+    return estimate(layout, shape, training, hw, tp=tp, pp=pp, **{**options, **changes})
+
+
 def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     """Each figure of ``run`` next to the planner's prediction with ``hw`` (see the module docstring)."""
     from ..metrics import format_bytes
@@ -364,13 +379,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     workspace = max((m.cuda_workspace for m in run.memory if m.cuda_workspace is not None), default=None)
     if workspace is not None:  # what cuBLAS held on the ranks, measured when the run ended
         hw = replace(hw, workspace=workspace)
-    zero = _zero_config(run)
-    e = estimate(layout, shape, training, hw, tp=tp, pp=pp,
-                 persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
-                 reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
-                 reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
-                                     zero.get("stage3_max_live_parameters", REUSE_LIMIT))),
-                 compress=compress_factor(run), **layout_options(run))
+    e = run_estimate(run, hw)
     summary = run_analysis.summary(run)
     rows, notes = [], []
     states = {r: sum(led.values()) for r, led in summary["ledger"].items()}

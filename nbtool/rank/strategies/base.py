@@ -29,7 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ...metrics import MemoryLedger
 from ...spec import StrategySpec
-from .data import _EpochLoader
+from .data import _EpochLoader, _batch_size
 from .ledger import Tally
 from .step_optimizer import StepOptimizer
 
@@ -65,7 +65,8 @@ class Strategy:
         self._plan_arg = None  # prepare(..., plan=) for tensor parallelism
         self._plain = None  # the model as the strategy holds it, before any outer wrapper
         self._model_shape: dict = {}  # layers, hidden, heads, vocab of the plain model (for the planner)
-        self.batch_seen: dict = {}  # samples and tokens of the first batch strategy.dataloader gave
+        self.batch_seen: dict = {}  # samples and tokens of the first batch (see _note_batch)
+        self._batch_hook = None
         self.compiled: list[str] = []  # what --compile compiled (the strategy's _wrap says)
         self.compile_clock = None  # a CompileClock under --compile (nbtool.rank.compile_time)
         _seed_everything(spec.seed)
@@ -154,6 +155,8 @@ class Strategy:
         if self.spec.activation_checkpointing is not None:
             self._apply_activation_checkpointing(model)
         wrapped, inner = self._wrap(model, optimizer)
+        if not self.spec.compile:  # under --compile the hook would be traced, and removing it recompile
+            self._batch_hook = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
         self._set_gradient_sync(self.spec.grad_accum == 1)  # set ahead of the first forward, as backward() does
         if self.spec.compile:  # compilation happens in the first forward and backward
             from ..compile_time import CompileClock
@@ -163,6 +166,19 @@ class Strategy:
         self.model = wrapped
         self.optimizer = StepOptimizer(self, inner)
         return wrapped, self.optimizer
+
+    def _note_batch(self, inputs) -> None:
+        """Keep the first batch's samples and tokens (the planner's inputs: a run's compute rate is
+        per token), from whichever sees it first: strategy.dataloader, forward_backward, or the
+        model's first forward (a loop with its own data)."""
+        if not self.batch_seen:
+            self.batch_seen.update(_batch_size(inputs))
+
+    def _first_forward(self, module, args, kwargs):
+        self._note_batch(args if args else kwargs)
+        if self.batch_seen and self._batch_hook is not None:
+            self._batch_hook.remove()
+            self._batch_hook = None
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward for one micro-batch (scaled by 1/grad_accum where the wrapper does not)."""
@@ -186,6 +202,7 @@ class Strategy:
                                 "loss_fn=...) or strategy.forward_backward(inputs, targets, loss_fn=...)")
         if self.model is None:
             raise StrategyError("call strategy.prepare(model, optimizer) before strategy.forward_backward")
+        self._note_batch(inputs)
         loss = loss_fn(self.model(inputs), targets)
         self.backward(loss)
         return loss.detach()

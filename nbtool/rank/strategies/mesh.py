@@ -171,6 +171,7 @@ class MeshStrategy(Strategy):
             raise StrategyError("under pp the loss is fixed when the schedule is built: "
                                 "pass it as strategy.prepare(model, optimizer, loss_fn=...)")
         check_batch(inputs, self.microbatches)
+        self._note_batch(inputs)  # the whole batch, as the planner counts it (split into micro-batches)
         schedule, clock = self._pipe
         losses: list = []
         clock.compute_s = 0.0
@@ -361,6 +362,7 @@ class MeshStrategy(Strategy):
             if self._tied:
                 d["tied"] = [" = ".join(names) + " (a copy per stage, gradients summed over pp)"
                              for names, _ in self._tied]
+                d["pp_tied_elements"] = [like.numel() for _, like in self._tied]  # for the planner
             theory = bubble_fraction(self.pp, self.microbatches, self.schedule, self.virtual)
             formula = {"zbv": "0 (F = B = W)", "interleaved-zb": "(p-1)/(3VM+p-1)",
                        "interleaved-1f1b": "(p-1)/(VM+p-1)"}.get(self.schedule, "(p-1)/(M+p-1)")
