@@ -184,6 +184,64 @@ def test_every_strategy_trains_real_models_as_ddp_does(nano, family, strategy):
     assert len(run) == len(ref) and all(abs(a - b) <= 1e-5 * abs(a) for a, b in zip(ref, run)), (ref, run)
 
 
+SAVED_CELL = """%%distributed ddp {precision}--quiet --no-metrics
+model = CONFIGS[{family!r}](2)
+model, opt = strategy.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+_params = {{p.untyped_storage().data_ptr() for p in model.parameters()}}
+_saved = {{}}
+def _pack(t):  # every tensor autograd saves, by storage, less the parameters themselves
+    st = t.untyped_storage()
+    if st.data_ptr() not in _params:
+        _saved[st.data_ptr()] = st.nbytes()
+    return t
+x = torch.randint(0, 128, (4, 64))
+with torch.autograd.graph.saved_tensors_hooks(_pack, lambda t: t):
+    loss = _lm_loss(model(x), x)
+strategy.backward(loss); opt.step()
+_act = sum(_saved.values())
+from nbtool.plan.inputs import ModelShape
+_shape = ModelShape.from_module(CONFIGS[{family!r}](2), seq=64)
+"""
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_llama_family_activations_equal_what_autograd_saves(nano, family, precision):
+    """A Llama-style layer (RMSNorms in fp32, a gated MLP I wide, grouped-query k and v) saves what the
+    planner counts for it, in fp32 and under autocast, within 5% (with Korthikanti's GPT layer and the
+    attention heads unread from the config, it predicted no activations at all for these models).
+    Not Mistral here: its sliding-window mask sends fp32 attention on CPU to SDPA's unfused kernel, which
+    saves the scores (+11% on this shape; the planner counts fused attention)."""
+    from nbtool.plan.estimate import activations
+    from nbtool.plan.inputs import Training
+
+    nano.run_cell(SAVED_CELL.format(family=family, precision="" if precision == "fp32" else "--precision bf16 ")
+                  ).raise_error()
+    nano.run_line_magic("dist_pull", "_act _shape --rank 0")
+    shape = nano.user_ns["_shape"]
+    assert shape.gated_mlp == 128 and shape.heads == 4 and shape.kv_heads == 2
+    s, b, V = 64, 4, 128
+    predicted = activations(shape, Training(micro_batch=b, seq=s, precision=precision), autocast=precision == "bf16")
+    # less backward's two loss gradients, which are not saved tensors (the loss sees s - 1 positions)
+    assert nano.user_ns["_act"] / (predicted - 8 * s * b * V) == pytest.approx(1, abs=0.05)
+
+
+def test_a_llama_runs_peak_tensors_are_predicted_within_tolerance(nano):
+    """Predicted next to measured on a Llama under ddp in bf16 (autocast), with a batch whose activations
+    make most of the peak: the planner's peak is within the 10% tolerance of the memory timeline's
+    (it was -47%: no activations predicted)."""
+    nano.run_cell("%%distributed ddp --precision bf16 --memory-timeline --quiet\n"
+                  "model = CONFIGS['llama'](2)\n"
+                  "model, opt = strategy.prepare(model, torch.optim.AdamW(model.parameters()))\n"
+                  "for _ in range(3):\n"
+                  "    x = torch.randint(0, 128, (8, 64))\n"
+                  "    strategy.backward(_lm_loss(model(x), x)); opt.step(); opt.zero_grad()").raise_error()
+    v = nbtool.predicted_vs_measured()
+    peak = v.row("peak tensor memory")
+    assert peak.within, v.text()
+    assert v.estimate.device["activations"] > 0.5 * peak.measured, v.text()  # what this test is about
+
+
 @pytest.mark.parametrize("family", ["gpt2", "nanogpt"])
 def test_the_planner_counts_weights_tied_across_pipeline_stages(nano, family):
     """GPT-2 and nanoGPT tie the embedding to the head: under pp both stages hold a copy and nbtool sums

@@ -25,6 +25,11 @@ def format_gb(x: float) -> str:
             return f"{x / size:.1f} {unit}"
 
 
+# attention modules' head counts (ours, torch's MultiheadAttention, GPT-2's, nanoGPT's); a model with a
+# config (Hugging Face's Llama family keeps none on its modules) says it there
+_HEAD_ATTRS = ("heads", "num_heads", "n_head")
+
+
 @dataclass(frozen=True)
 class ModelShape:
     """A model as the planner sees it.
@@ -32,7 +37,8 @@ class ModelShape:
     ``params`` always; the transformer shape (layers, hidden, heads, vocab,
     seq) when known, for activations and tensor/pipeline layouts;
     ``largest_layer`` (parameters of the biggest single module) for gather
-    buffers; ``numels`` (every parameter tensor's size) when counted from a
+    buffers; ``gated_mlp`` and ``kv_heads`` for a Llama-style decoder's
+    activations; ``numels`` (every parameter tensor's size) when counted from a
     module, which makes the ZeRO-3 partition and padding figures exact.
     """
 
@@ -45,6 +51,8 @@ class ModelShape:
     largest_layer: int | None = None
     numels: tuple = field(default=(), compare=False)
     name: str = ""
+    gated_mlp: int | None = None  # a gated MLP's width (gate, up, down: the Llama family); None: GPT's 4h MLP
+    kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as the query heads)
 
     @classmethod
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
@@ -66,7 +74,7 @@ class ModelShape:
         per_layer = attention + 3 * hidden * inter + 2 * hidden
         params = layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
         return cls(params, layers, hidden, heads, vocab, seq, largest_layer=max(vocab * hidden, hidden * inter),
-                   name=name or f"{layers}L-{hidden}h decoder")
+                   name=name or f"{layers}L-{hidden}h decoder", gated_mlp=inter, kv_heads=kv_heads or heads)
 
     @classmethod
     def from_config(cls, config, seq: int | None = None, name: str = "") -> "ModelShape":
@@ -76,14 +84,9 @@ class ModelShape:
 
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
-        shape = cls.from_module(model, seq=seq or getattr(config, "max_position_embeddings", None)
-                                or getattr(config, "n_positions", None),
-                                name=name or f"{type(model).__name__} ({config.model_type})")
-        get = lambda *keys: next((getattr(config, k) for k in keys if getattr(config, k, None)), None)
-        return replace(shape, layers=get("num_hidden_layers", "n_layer") or shape.layers,
-                       hidden=get("hidden_size", "n_embd") or shape.hidden,
-                       heads=get("num_attention_heads", "n_head") or shape.heads,
-                       vocab=get("vocab_size") or shape.vocab)
+        return cls.from_module(model, seq=seq or getattr(config, "max_position_embeddings", None)
+                               or getattr(config, "n_positions", None),
+                               name=name or f"{type(model).__name__} ({config.model_type})")
 
     @classmethod
     def from_module(cls, module, seq: int | None = None, name: str = "") -> "ModelShape":
@@ -98,11 +101,22 @@ class ModelShape:
         leaves = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
         layers = max((len(m) for m in module.modules() if isinstance(m, nn.ModuleList)), default=None)
         emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
-        heads = next((getattr(m, "heads", None) or getattr(m, "num_heads", None) for m in module.modules()
-                      if getattr(m, "heads", None) or getattr(m, "num_heads", None)), None)
-        return cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
-                   emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
-                   numels=numels, name=name or type(module).__name__)
+        heads = next((h for m in module.modules() for h in (getattr(m, k, None) for k in _HEAD_ATTRS)
+                      if isinstance(h, int) and h > 0), None)
+        # a gated MLP by Hugging Face's names (Llama, Qwen2, Mistral): its width is up_proj's
+        gated = next((m.up_proj.out_features for m in module.modules()
+                      if hasattr(m, "gate_proj") and isinstance(getattr(m, "up_proj", None), nn.Linear)), None)
+        shape = cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
+                    emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
+                    numels=numels, name=name or type(module).__name__, gated_mlp=gated)
+        config = getattr(module, "config", None)  # Hugging Face's and nanoGPT's models carry their shape
+        if config is None:
+            return shape
+        get = lambda *keys: next((v for v in (getattr(config, k, None) for k in keys) if isinstance(v, int) and v), None)
+        return replace(shape, layers=get("num_hidden_layers", "n_layer") or shape.layers,
+                       hidden=get("hidden_size", "n_embd") or shape.hidden,
+                       heads=get("num_attention_heads", "n_head") or shape.heads,
+                       vocab=get("vocab_size") or shape.vocab, kv_heads=get("num_key_value_heads"))
 
 
 # Well-known shapes. The Llama-3, Mistral and Qwen2.5 entries are built from
@@ -123,6 +137,10 @@ MODEL_PRESETS = {
     "70B-class (80L, 8192h)": ModelShape.transformer(80, 8192, 64, 32000, 4096, "70B-class"),
     "GPT-3 175B": ModelShape.transformer(96, 12288, 96, 50257, 2048, "GPT-3 175B"),
 }
+
+
+# what a run records of its model's structure for the planner (nbtool.rank.strategies; nbtool.plan.versus)
+RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads")
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from .. import run_analysis
 from ..spec import StrategySpec
 from . import cpu_costs
 from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
-from .inputs import Hardware, ModelShape, Training
+from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
 from .layouts import layout as as_layout
 from .model_states import PERSISTENCE_THRESHOLD
 
@@ -132,7 +132,7 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     spec = spec_of(run)
     batch = desc.batch or {}
     shape = ModelShape(sum(desc.param_numels), numels=tuple(desc.param_numels), seq=batch.get("seq"),
-                       **{k: desc.model_shape.get(k) for k in ("layers", "hidden", "heads", "vocab", "largest_layer")})
+                       **{k: desc.model_shape.get(k) for k in RECORDED_SHAPE})
     tp = pp = 1
     if desc.dims is not None:
         _, tp, pp = desc.dims
@@ -523,6 +523,8 @@ def _activation_note(parts: dict, e: Estimate, t: Training) -> str:
     ratio = measured / predicted
     if 0.8 <= ratio <= 1.25:
         return ""
-    why = ("fp32 kernels and unfused attention save more than the 16-bit formula assumes"
-           if ratio > 1 and t.precision == "fp32" else "Korthikanti's per-layer count does not fit this model")
+    why = ("this model's layers save more than the count for their kind (Korthikanti's GPT layer or the "
+           "Llama-style one): e.g. an activation function written as several elementwise ops (GPT-2's tanh "
+           "GELU), dropout masks, attention that runs unfused (a mask SDPA's fused kernel does not take)"
+           if ratio > 1 else "the per-layer count does not fit this model")
     return f"activations measured {ratio:.2f}x predicted: {why}"

@@ -538,7 +538,7 @@ class Description(dict):
 
 def _shape_of(model: nn.Module) -> dict:
     """What the planner needs of the model's structure (nbtool.plan.ModelShape.from_module's fields)."""
-    from ...plan.inputs import ModelShape
+    from ...plan.inputs import RECORDED_SHAPE, ModelShape
 
     shape = ModelShape.from_module(model)
-    return {k: getattr(shape, k) for k in ("layers", "hidden", "heads", "vocab", "largest_layer")}
+    return {k: getattr(shape, k) for k in RECORDED_SHAPE}
