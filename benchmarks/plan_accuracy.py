@@ -1,10 +1,11 @@
 """How close the planner gets to what 2 CPU ranks measure, after calibrating on a different run.
 
-    python benchmarks/plan_accuracy.py [--steps 6] [--repeat 3] [--shapes tutorial,wide,deep]
+    python benchmarks/plan_accuracy.py [--steps 6] [--repeat 3] [--shapes tutorial,wide,deep,llama,gpt2]
                                        [--strategies ddp,tp] [--dump F] [--save DIR | --load DIR]
 
-For three model shapes (the tutorial model, one wide and shallow, one narrow
-and deep) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp and pp:
+For four model shapes (the tutorial model, one wide and shallow, one narrow
+and deep, and a Hugging Face Llama with grouped-query attention; ``--shapes``
+also takes ``gpt2``, a Hugging Face GPT-2) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp and pp:
 the cell runs plain (times) and with ``--memory-timeline`` (peak tensor
 bytes: torch.profiler's tracked tensors, or the allocator's total where torch
 cannot categorise the run), ``--repeat`` times each, the strategies
@@ -37,17 +38,27 @@ import argparse
 
 from _shell import cluster_shell
 
-SHAPES = {  # vocab, dim, heads, layers, seq
-    "tutorial": (256, 128, 4, 4, 32),
-    "wide": (256, 384, 6, 2, 32),
-    "deep": (256, 48, 4, 12, 32),
+VOCAB, SEQ = 256, 32
+SHAPES = {  # the model each shape builds (on every rank, from its config: nothing is downloaded)
+    "tutorial": f"TinyTransformer(vocab={VOCAB}, dim=128, heads=4, layers=4, seq={SEQ})",
+    "wide": f"TinyTransformer(vocab={VOCAB}, dim=384, heads=6, layers=2, seq={SEQ})",
+    "deep": f"TinyTransformer(vocab={VOCAB}, dim=48, heads=4, layers=12, seq={SEQ})",
+    # models nbtool did not write: a Llama (grouped-query attention, gated MLP), a GPT-2 (fused qkv, tied head)
+    "llama": f"LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, "
+             f"num_attention_heads=4, num_key_value_heads=2, vocab_size={VOCAB}, max_position_embeddings={SEQ}))",
+    "gpt2": f"GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size={VOCAB}, n_positions={SEQ}, "
+            "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))",
 }
+DEFAULT_SHAPES = ("tutorial", "wide", "deep", "llama")
 STRATEGIES = ("ddp", "fsdp", "fsdp --precision bf16", "zero1", "zero2", "zero3", "tp", "pp")
 CELL = """%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
-model = TinyTransformer(vocab={vocab}, dim={dim}, heads={heads}, layers={layers}, seq={seq})
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+def _loss(out, y):  # a Hugging Face output's logits, or the logits themselves (ours, a pipeline's last stage)
+    return lm_loss(out.logits if hasattr(out, "logits") else out, y)
+model = {model}
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss)
+model, optimizer = strategy.prepare(model, optimizer, loss_fn=_loss)
 data = SyntheticTokens(samples=512, seq={seq}, vocab={vocab})
 for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=8, shuffle=False)):
     loss = strategy.forward_backward(x, y)
@@ -67,7 +78,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each strategy, plain and with the timeline")
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(DEFAULT_SHAPES), help=f"of {', '.join(SHAPES)}")
     ap.add_argument("--dump", help="write each run's measured and predicted terms to this JSON file")
     # fsdp by default: its thread blocks on 3 collectives per unit, of several sizes, which fit the link;
     # DDP's are all async (its reducer), so a ddp run leaves the link at the CPU preset (nbtool.plan.versus)
@@ -81,6 +92,8 @@ def main() -> None:
     asked = a.strategies.split(",")
     if unknown := sorted(set(asked) - set(STRATEGIES)):
         ap.error(f"--strategies: {', '.join(unknown)} not among {', '.join(STRATEGIES)}")
+    if unknown := sorted(set(a.shapes.split(",")) - set(SHAPES)):
+        ap.error(f"--shapes: {', '.join(unknown)} not among {', '.join(SHAPES)}")
     if a.repeat < 1 or a.steps < 2:
         ap.error("--repeat must be >= 1 and --steps >= 2 (step 1 holds the set-up and is left out)")
     chosen = [line for line in STRATEGIES if line in asked or line in ("ddp", "fsdp")]
@@ -102,7 +115,6 @@ def main() -> None:
     print(f"{'shape':<9} {'run':<22} {'states':>8} {'bytes':>8} {'peak mem':>9} {'typical':>8} {'step':>8}  "
           f"{'single runs':>15}  calibrated on")
     for shape in a.shapes.split(","):
-        vocab, dim, heads, layers, seq = SHAPES[shape]
         runs = {line: [] for line in chosen}
         timelines = {line: [] for line in chosen}
         for i in range(a.repeat):
@@ -112,8 +124,8 @@ def main() -> None:
                     if a.load:
                         run = load(os.path.join(a.load, name))
                     else:
-                        ip.run_cell(CELL.format(line=line + (" --memory-timeline" if timeline else ""), vocab=vocab,
-                                                dim=dim, heads=heads, layers=layers, seq=seq,
+                        ip.run_cell(CELL.format(line=line + (" --memory-timeline" if timeline else ""),
+                                                model=SHAPES[shape], vocab=VOCAB, seq=SEQ,
                                                 steps=a.steps)).raise_error()
                         run = nbtool.last_run()
                         if a.save:

@@ -274,6 +274,8 @@ def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool
         out = s * b * h * (10 + 24 / tp + (0 if t.checkpointing == "selective" else 5 * a * s / (h * tp)))
     else:
         out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h))
+    if t.checkpointing != "full":  # an activation function's own extra tensors, 4h wide, split by tp
+        out += s * b * h * 8 * m.mlp_extra / tp
     if t.precision == "fp32":
         return 2 * out
     if autocast and t.checkpointing != "full":

@@ -53,6 +53,9 @@ class ModelShape:
     name: str = ""
     gated_mlp: int | None = None  # a gated MLP's width (gate, up, down: the Llama family); None: GPT's 4h MLP
     kv_heads: int | None = None  # grouped-query attention's key/value heads (None: as many as the query heads)
+    # 4h-wide tensors a GPT MLP's activation saves beyond GeLU's input: Hugging Face's NewGELUActivation
+    # (GPT-2's gelu_new, tanh written as elementwise ops) keeps its tanh, 0.5 x and 1 + tanh too
+    mlp_extra: int = 0
 
     @classmethod
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
@@ -106,9 +109,11 @@ class ModelShape:
         # a gated MLP by Hugging Face's names (Llama, Qwen2, Mistral): its width is up_proj's
         gated = next((m.up_proj.out_features for m in module.modules()
                       if hasattr(m, "gate_proj") and isinstance(getattr(m, "up_proj", None), nn.Linear)), None)
+        python_gelu = any(type(m).__name__ == "NewGELUActivation" for m in module.modules())
         shape = cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
                     emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
-                    numels=numels, name=name or type(module).__name__, gated_mlp=gated)
+                    numels=numels, name=name or type(module).__name__, gated_mlp=gated,
+                    mlp_extra=3 if python_gelu else 0)
         config = getattr(module, "config", None)  # Hugging Face's and nanoGPT's models carry their shape
         if config is None:
             return shape
@@ -140,7 +145,7 @@ MODEL_PRESETS = {
 
 
 # what a run records of its model's structure for the planner (nbtool.rank.strategies; nbtool.plan.versus)
-RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads")
+RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads", "mlp_extra")
 
 
 @dataclass(frozen=True)

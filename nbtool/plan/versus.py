@@ -132,7 +132,7 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
     spec = spec_of(run)
     batch = desc.batch or {}
     shape = ModelShape(sum(desc.param_numels), numels=tuple(desc.param_numels), seq=batch.get("seq"),
-                       **{k: desc.model_shape.get(k) for k in RECORDED_SHAPE})
+                       **{k: v for k in RECORDED_SHAPE if (v := desc.model_shape.get(k)) is not None})
     tp = pp = 1
     if desc.dims is not None:
         _, tp, pp = desc.dims
