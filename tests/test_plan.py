@@ -571,3 +571,15 @@ def test_overlap_comm_double_buffers_the_zero12_reduce_bucket(ip, cluster):
     peak = nbtool.predicted_vs_measured().row("peak tensor memory")
     assert peak.measured > 2 * REDUCE_BUCKET * 4 and peak.within, peak
 
+
+def test_advice_followed_says_how_much_of_the_predicted_change_came():
+    """Running a suggested line is "as predicted" only when at least half the predicted change came, the
+    predicted way: a pipeline bubble that fell from 31% to 30% against 11% predicted is not."""
+    from nbtool.plan.advice import verdict
+
+    assert verdict(0.31, 0.30, 0.11) == "the predicted way, 5% of the predicted change"
+    assert verdict(0.31, 0.15, 0.11) == "as predicted"
+    assert verdict(0.31, 0.35, 0.11) == "not as predicted"
+    assert verdict(5.0, 4.0, 4.0) == "as predicted" and verdict(5.0, None, 4.0) == "not as predicted"
+    assert verdict(5.0, 5.0, 5.0) == "as predicted"
+
