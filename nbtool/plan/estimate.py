@@ -304,6 +304,16 @@ def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, 
     return (norms + unsplit + split) / tp if sp else norms + unsplit + split / tp
 
 
+def _block_params(m: ModelShape) -> float:
+    """One transformer block's weights (an FSDP unit): 12 h^2 for GPT's; q, o, k and v (k, v at the
+    key/value heads) and a gated MLP's three I x h matrices for a Llama-style one."""
+    h = m.hidden or 0
+    if not m.gated_mlp or not m.heads:
+        return 12 * h * h
+    kv = (m.kv_heads or m.heads) * (h // m.heads)
+    return 2 * h * h + 2 * h * kv + 3 * h * m.gated_mlp + 2 * h  # and its two RMSNorms
+
+
 def _fused_qkv(m: ModelShape) -> bool:
     """Whether q, k and v are one matrix (nanoGPT's c_attn, GPT-2's Conv1D); unknown: separate."""
     h = m.hidden or 0
@@ -435,7 +445,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.add_comm(hw, "all_reduce", n, math.ceil(psi * g / DDP_BUCKET), 2 * frac * psi * g * compress)
     elif layout.is_fsdp:
         w = 2 if mixed else 4
-        unit = largest if not m.layers else max(largest, 12 * (m.hidden or 0) ** 2)
+        unit = largest if not m.layers else max(largest, _block_params(m))
         sharded = psi - whole
         within = (shard - 1) / shard if shard > 1 else 0.0
         replicas = n // shard
