@@ -472,7 +472,9 @@ def test_fused_qkv_casts_the_norm_output_once_under_autocast():
 
 def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parallelism():
     """Korthikanti's table 2: t-way tp keeps s b h (10 + 24/t) per layer (16-bit, fused attention),
-    with sequence parallelism s b h 34 / t; a run without --sp is predicted without it."""
+    with sequence parallelism s b h 34 / t, except that DTensor keeps the gathered inputs of q/k/v and
+    of the MLP's first matrix whole (4 s b h: measured, with them the count equals autograd's saved
+    bytes within 0.5% for a Llama, 5% for the tutorial model); a run without --sp is predicted without it."""
     m = ModelShape(10**6, layers=4, hidden=128, heads=4, vocab=256, seq=32)
     t = Training(micro_batch=8, seq=32, precision="bf16")
     hw = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
@@ -483,7 +485,7 @@ def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parall
     weights = 2 * (10**6 - 256 * 128) / 2
     with_sp = estimate("tp", m, t, hw, tp=2).device["activations"]
     without = estimate("tp", m, t, hw, tp=2, sp=False).device["activations"]
-    assert with_sp == pytest.approx(4 * sbh * (34 + 8) / 2 + head + weights)
+    assert with_sp == pytest.approx(4 * sbh * ((30 + 8) / 2 + 4) + head + weights)
     assert without == pytest.approx(4 * sbh * (10 + 24 / 2 + 8) + head + weights)
 
 

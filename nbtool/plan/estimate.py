@@ -269,7 +269,9 @@ def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool
     if t.checkpointing == "full":
         out = 2 * s * b * h / (tp if sp else 1)
     elif sp:
-        out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h)) / tp
+        # DTensor's sequence parallelism all-gathers the inputs of q/k/v and of the MLP's first matrix and
+        # autograd keeps them gathered (2 s b h each in 16 bits, whole on every tp rank; measured)
+        out = s * b * h * ((30 + (0 if t.checkpointing == "selective" else 5 * a * s / h)) / tp + 4)
     elif tp > 1:
         out = s * b * h * (10 + 24 / tp + (0 if t.checkpointing == "selective" else 5 * a * s / (h * tp)))
     else:
@@ -292,7 +294,8 @@ def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, 
     Mistral; counted tensor by tensor on CPU, fp32 84, autocast 56 and pure bf16 46 with I = 3h and
     half the heads for k and v, as this gives): two RMSNorms (each its fp32 input and the normalized
     output: fp32 under fp32 or autocast, else 16-bit), the inputs of q/k/v and of gate/up (one each;
-    under autocast each projection casts its own 16-bit copy) and, split by tp, o_proj's input, SDPA's
+    under autocast each projection casts its own 16-bit copy; whole on every tp rank, gathered under
+    sequence parallelism) and, split by tp, o_proj's input, SDPA's
     q, k, v (k and v at the key/value heads) and the MLP's gate, SiLU, up and product (I wide each);
     unfused attention adds its softmax output (2 a s / h; no dropout in these models)."""
     fp32, s = t.precision == "fp32", (t.seq or m.seq)
@@ -301,7 +304,8 @@ def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, 
     norms = 16 if fp32 or autocast else 12
     unsplit = 2 * ((1 if _fused_qkv(m) else 3) + 2) if autocast else 2 * w
     split = w * (2 + 2 * kv + 4 * m.gated_mlp / m.hidden) + w * a * s / m.hidden
-    return (norms + unsplit + split) / tp if sp else norms + unsplit + split / tp
+    # under sequence parallelism the norms are split too, the gathered q/k/v and gate/up inputs are not
+    return (norms + split) / tp + unsplit if sp else norms + unsplit + split / tp
 
 
 def _block_params(m: ModelShape) -> float:
