@@ -46,9 +46,11 @@ from _shell import shell
 TRAIN = """%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 torch.manual_seed(0)
-model = TinyTransformer(vocab={vocab}, dim={dim}, heads={heads}, layers={layers}, seq={seq})
+model = {model}
+def _loss(out, y):  # a Hugging Face output's logits, or the logits themselves
+    return lm_loss(out.logits if hasattr(out, "logits") else out, y)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-model, optimizer = strategy.prepare(model, optimizer, loss_fn=lm_loss)
+model, optimizer = strategy.prepare(model, optimizer, loss_fn=_loss)
 data = SyntheticTokens(samples=64, seq={seq}, vocab={vocab})
 _losses = []
 for i, (x, y) in enumerate(strategy.dataloader(data, batch_size={batch}, shuffle=False)):
@@ -67,6 +69,16 @@ SMALL = dict(vocab=128, dim=64, heads=4, layers=2, seq=16, batch=4)
 # big enough that states and activations, not cuBLAS's workspaces or DeepSpeed's bucket, make the peak:
 # 117M parameters (1.9 GB of fp32 states with Adam), 8 x 512 tokens a step
 LARGE = dict(vocab=8192, dim=1024, heads=16, layers=8, seq=512, batch=8)
+TINY = "TinyTransformer(vocab={vocab}, dim={dim}, heads={heads}, layers={layers}, seq={seq})"
+# a model nbtool did not write, of the same size class: a Hugging Face Llama (grouped-query attention,
+# a gated MLP; 107M parameters), built from its config on every rank
+LLAMA = ("__import__('transformers').LlamaForCausalLM(__import__('transformers').LlamaConfig(hidden_size={dim}, "
+         "intermediate_size={dim} * 11 // 4, num_hidden_layers={layers}, num_attention_heads={heads}, "
+         "num_key_value_heads={heads} // 4, vocab_size={vocab}, max_position_embeddings={seq}))")
+
+
+def train_cell(line: str, steps: int, dims: dict, model: str = TINY) -> str:
+    return TRAIN.format(line=line, steps=steps, model=model.format(**dims), **dims)
 
 HANG = """%%distributed --collective-timeout 3 --timeout 8
 if rank == 0:
@@ -127,10 +139,10 @@ def large_checks(ip, checks: Checks, a, tag: str) -> None:
     from nbtool import run_analysis
     from nbtool.plan.versus import steps_cuda_peak
 
-    for line in LARGE_LINES:
-        def large(line=line):
+    for line, model in LARGE_LINES:
+        def large(line=line, model=model):
             timeline = " --memory-timeline" if a.timeline else ""
-            ip.run_cell(TRAIN.format(line=f"{line} --precision bf16{timeline}", steps=a.steps, **LARGE)).raise_error()
+            ip.run_cell(train_cell(f"{line} --precision bf16{timeline}", a.steps, LARGE, model)).raise_error()
             import nbtool
 
             run = nbtool.last_run()
@@ -149,10 +161,13 @@ def large_checks(ip, checks: Checks, a, tag: str) -> None:
                     print(f"    rank {t.rank} step {step} peak {sum(t.at(j).values()) / 2**20:.1f} MiB: " + ", ".join(
                         f"{c} {b / 2**20:.1f}" for c, b in t.at(j).items() if b > 2**19))
             return ("PASS" if peak_ok else "FAIL"), text
-        checks.run(f"{line} --precision bf16, 117M parameters (bf16{tag}): peak within 10% of the planner's", large)
+        what = "a Hugging Face Llama, 107M parameters" if model is LLAMA else "117M parameters"
+        checks.run(f"{line} --precision bf16, {what} (bf16{tag}): peak within 10% of the planner's", large)
 
 
-LARGE_LINES = ("ddp", "fsdp --wrap Block", "zero2", "zero3")
+# zero2 first: its 3.2 GB gap on an H200 is the one left to explain (a timeline of it, if time runs out)
+LARGE_LINES = (("zero2", TINY), ("ddp", TINY), ("fsdp --wrap Block", TINY), ("zero3", TINY),
+               ("ddp", LLAMA), ("fsdp", LLAMA))
 
 
 def strategies_for(n: int, short: bool) -> list[str]:
@@ -191,7 +206,7 @@ def suite(ip, checks: Checks, n: int, backend: str, cuda: bool, a) -> None:
         full = line if line in ("tp", "pp") or not cuda else f"{line} --precision bf16"
 
         def train(line=line, full=full):
-            ip.run_cell(TRAIN.format(line=full, steps=a.steps, **SMALL)).raise_error()
+            ip.run_cell(train_cell(full, a.steps, SMALL)).raise_error()
             ip.run_line_magic("dist_pull", "_losses _ledger _cuda --rank 0")
             losses, ledger, mem = ip.user_ns["_losses"], ip.user_ns["_ledger"], ip.user_ns["_cuda"]
             if not all(math.isfinite(x) for x in losses):
@@ -252,7 +267,7 @@ def suite(ip, checks: Checks, n: int, backend: str, cuda: bool, a) -> None:
         import nbtool
 
         out = tempfile.mkdtemp(prefix="nbtool-timeline-")
-        ip.run_cell(TRAIN.format(line=f"ddp --memory-timeline {out}", steps=a.steps, **SMALL)).raise_error()
+        ip.run_cell(train_cell(f"ddp --memory-timeline {out}", a.steps, SMALL)).raise_error()
         timelines = sorted(nbtool.last_run().timelines, key=lambda t: t.rank)
         ok = [t.rank for t in timelines] == list(range(n))
         parts = []
