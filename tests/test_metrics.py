@@ -395,7 +395,7 @@ def test_overlap_comm_is_advised_on_gpus_only_with_the_bucket_it_costs(ranks):
     summary = run_analysis.summary(run)
     assert summary["exposed_s_per_step"] > 0.1 * summary["step_s"], summary  # what makes it worth advising
     assert not any("--overlap-comm" in s.line for s in magics.session.advice), magics.session.advice
-    run.add([MemorySample(0, run.t_start + 1.0, 2, "interval", rss=2**30, cuda_reserved=2**30)])
+    run.add([MemorySample(0, run.t_start + 1.0, 2, "interval", rss=2**30, cuda_reserved=2**30, cuda_peak=2**30)])
     (s,) = [s for s in suggest(run, nbtool.predicted_vs_measured()) if "--overlap-comm" in s.line]
     assert s.line == "zero2 --overlap-comm --reduce-bucket-mb 0.05" and s.figure == "exposed comm / step"
     assert s.before == summary["exposed_s_per_step"] and 0 <= s.predicted < s.before

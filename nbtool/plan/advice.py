@@ -15,7 +15,7 @@ from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import line_of
 from .estimate import estimate
-from .versus import Versus, planner_inputs, run_estimate, spec_of
+from .versus import Versus, planner_inputs, ran_on_cpu, run_estimate, spec_of
 
 MAX_SUGGESTIONS = 3
 BUCKET_OPS = ("all_reduce",)
@@ -83,7 +83,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
             f"memory +{format_bytes(extra)} (units stay gathered from forward to backward), "
             f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
-    cuda = any(m.cuda_reserved is not None for m in run.memory)
+    cuda = not ran_on_cpu(run)
     exposed = summary["exposed_s_per_step"] or 0.0
     # on CPU ranks DeepSpeed's reduction runs on the training thread whatever the flag (measured: the
     # same exposed time, and a second reduce bucket in memory), so only GPU runs are told to overlap
@@ -111,8 +111,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
                 bubble_fraction(pp, 2 * m),
                 f"bubble {bubble_fraction(pp, m):.0%} -> {bubble_fraction(pp, 2 * m):.0%} in theory "
                 f"((p-1)/(m+p-1)), step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
-    if spec.precision == "fp32" and spec.name in ("fsdp", "zero2", "zero3") and any(
-            s.cuda_reserved is not None for s in run.memory):  # on CPU ranks bf16 computes no faster
+    if spec.precision == "fp32" and spec.name in ("fsdp", "zero2", "zero3") and cuda:  # on CPU bf16 is no faster
         e2 = estimate(layout, shape, replace(training, precision="bf16"), hw, tp=tp, pp=pp)
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, precision="bf16")), "fp32 parameters are gathered in 4 bytes each",
@@ -126,12 +125,15 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     return [s for _, s in out[:MAX_SUGGESTIONS]]
 
 
+# how each figure a suggestion moves is written (others: one decimal)
+_FORMATS = {"bus bytes / step": format_bytes, "bubble": lambda v: f"{v:.0%}",
+            "exposed comm / step": lambda v: f"{v * 1e3:.1f} ms"}
+
+
 def followed(run, suggestion: Suggestion) -> str:
     """The measured change next to the predicted one, for a run of a suggested line."""
     after = measure(run, suggestion.figure)
-    fmt = (format_bytes if suggestion.figure == "bus bytes / step"
-           else (lambda v: f"{v:.0%}") if suggestion.figure == "bubble"
-           else (lambda v: f"{v * 1e3:.1f} ms") if suggestion.figure == "exposed comm / step" else (lambda v: f"{v:.1f}"))
+    fmt = _FORMATS.get(suggestion.figure, lambda v: f"{v:.1f}")
     moved = verdict(suggestion.before, after, suggestion.predicted)
     return (f"advice followed (from run {suggestion.base_run!r}): {suggestion.figure} "
             f"{fmt(suggestion.before)} -> measured {fmt(after) if after is not None else '-'}, "

@@ -331,7 +331,8 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     weight a matmul uses and keeps the residual stream in fp32."""
     if not (m.layers and m.hidden and m.heads and (t.seq or m.seq)):
         return 0.0
-    per_layer = _act_per_layer(m, t, tp, sp and tp > 1, autocast and t.precision != "fp32")
+    cast = autocast and t.precision != "fp32"  # 16-bit compute over fp32 weights
+    per_layer = _act_per_layer(m, t, tp, sp and tp > 1, cast)
     s, b = (t.seq or m.seq), t.micro_batch
     # the loss over fp32 logits: log_softmax's output, saved, and backward's first two gradients
     # (nll's, then log_softmax's), alive together as backward starts: 12 bytes x s b V, whole on every
@@ -340,9 +341,9 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     out = m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
     if m.gated_mlp and t.checkpointing != "full" and pp == 1:
         # the final RMSNorm (as a layer's) and the head's input (16-bit under autocast), whole on every tp rank
-        fp32, cast = t.precision == "fp32", autocast and t.precision != "fp32"
+        fp32 = t.precision == "fp32"
         out += s * b * m.hidden * ((8 if fp32 or cast else 6) + (4 if fp32 else 2))
-    if autocast and t.precision != "fp32" and t.checkpointing != "full":
+    if cast and t.checkpointing != "full":
         # autocast's cached 16-bit weights, saved for backward: every matmul weight (all but the
         # token embedding) in 2 bytes (full recomputation saves only each layer's input)
         out += 2 * max(m.params - (m.vocab or 0) * m.hidden, 0) / (tp * pp)
@@ -533,7 +534,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     # blocked for about all of their time (exposed = busy for fsdp, zero1/2, tp), so none is hidden
     e.exposed_comm_s = e.comm_s if cpu else max(0.0, e.comm_s - 2 / 3 * e.compute_s)
     if layout.is_zero:  # DeepSpeed's estimator counts its own buffers, whatever the moment
-        e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
+        e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
                     buffers_at_step=layout == DDP)
@@ -560,6 +561,11 @@ def _adam_temporary(e: Estimate, m: ModelShape, adam: bool, cpu: bool, split: in
     return 2 * 4 * (max(m.numels) if m.numels else (m.largest_layer or 0)) / split
 
 
+def _owned(device: dict) -> dict:
+    """What a device owns over a step: the ledger's categories of ``device``."""
+    return {k: device.get(k, 0) for k in ("params", "grads", "optimizer")}
+
+
 def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool) -> None:
     """Set ``e.device`` to the larger of two moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
     gradients set to None by zero_grad):
@@ -570,7 +576,7 @@ def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: boo
       (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
       a pipeline's gradient being added), and the optimizer's ``temporary`` (_adam_temporary).
     """
-    e.states = {k: e.device.get(k, 0) for k in ("params", "grads", "optimizer")}
+    e.states = _owned(e.device)
     start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
     step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
     if temporary:

@@ -406,7 +406,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
         source += f"; {format_bytes(workspace)} of it cuBLAS workspaces (measured at the run's end), predicted alike"
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
-                    _activation_note(parts, e, training) if peak is not None else ""))
+                    _activation_note(parts, e) if peak is not None else ""))
     # the same measure on both sides: on CUDA ranks the allocator's peak, else tracked tensors
     cuda = any(m.cuda_peak is not None for m in run.memory)
     typical = steps_cuda_peak(run) if cuda else typical_peak(run)
@@ -515,7 +515,7 @@ def typical_peak(run) -> float | None:
     return statistics.median(peaks.values()) if len(peaks) >= 2 else None
 
 
-def _activation_note(parts: dict, e: Estimate, t: Training) -> str:
+def _activation_note(parts: dict, e: Estimate) -> str:
     measured = sum(parts.get(c, 0) for c in ("activation", "temporary", "autograd_detail"))
     predicted = e.device.get("activations", 0)
     if not measured or not predicted:

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 
 from ...metrics import MemoryLedger
 from ...spec import StrategySpec
+from .. import watchdog
 from .data import _EpochLoader, _batch_size
 from .ledger import Tally
 from .step_optimizer import StepOptimizer
@@ -315,8 +316,6 @@ class Strategy:
             return None
         before = self._make_ledger("pre", only=("grads",))  # only its gradients are kept
         out = self._step(closure)
-        from .. import watchdog
-
         watchdog.release_finished()  # the step's finished collectives' Works hold their buffers
         self._steps += 1
         after = self._make_ledger(f"step {self._steps}")
