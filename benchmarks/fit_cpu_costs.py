@@ -13,7 +13,8 @@ median run of each strategy and shape (``--all-runs``: every run). A pipeline's
 measured time holds its bubble: it is taken out as the planner adds it back
 (compute x bubble). Prints the constants in cpu_costs' form and the in-sample
 errors; ``--check`` prints the errors of the fitted model on another dump
-(out of sample).
+(out of sample). Then SYNC_WAIT: per tp and pp, the median over its runs of
+(exposed comm measured - the planner's link time) / the planner's compute.
 
 ``--links``: the in-training collective table (cpu_costs.COLLECTIVES) from
 the runs ``--save`` wrote. Per run, op and size: each step's mean time of the
@@ -59,6 +60,19 @@ def fit(points: list[dict]) -> tuple[tuple[float, float], dict]:
                   + [p["tensors"] / p["measured"] if p["row"] == r else 0.0 for r in rows] for p in points])
     x, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
     return (float(x[0]), float(x[1])), dict(zip(rows, map(float, x[2:])))
+
+
+def sync_wait(paths: list[str]) -> dict:
+    """{row: the median over its runs of (exposed comm measured - predicted without the wait) / predicted
+    compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs scatter too much for
+    its median run alone)."""
+    out: dict = {}
+    for path in paths:
+        for d in json.load(open(path)):
+            if d["run"] in ("tp", "pp") and d["exposed_s"] is not None and d["pred_compute_s"]:
+                link = d["pred_exposed_s"] - d.get("pred_wait_s", 0.0)
+                out.setdefault(d["run"], []).append((d["exposed_s"] - link) / d["pred_compute_s"])
+    return {row: statistics.median(v) for row, v in out.items()}
 
 
 def errors(points: list[dict], per_gflop: tuple, per_tensor: dict) -> list[tuple[str, float]]:
@@ -178,6 +192,8 @@ def main() -> None:
     report(f"in sample ({len(points)} runs)", errors(points, per_gflop, per_tensor))
     if a.check:
         report("out of sample", errors(_points(a.check, a.all_runs), per_gflop, per_tensor))
+    waits = sync_wait(a.dump.split(","))
+    print("SYNC_WAIT = {" + ", ".join(f'"{row}": {v:.2f}' for row, v in waits.items()) + "}")
 
 
 if __name__ == "__main__":

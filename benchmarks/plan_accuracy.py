@@ -171,6 +171,7 @@ def main() -> None:
                                "compute_s": measured_compute_s(r), "pred_compute_s": e.compute_s,
                                "pred_comm_s": e.comm_s, "pred_exposed_s": e.exposed_comm_s,
                                "pred_bubble_s": e.bubble_s, "pred_step_s": e.step_s,
+                               "pred_wait_s": sum(c.wait_s for c in e.comms),
                                "host_speed": hw.host_speed})
             if max(map(abs, singles)) > worst["single"]:
                 worst["single"], where["single"] = max(map(abs, singles)), f"{shape} {line}"

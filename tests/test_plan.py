@@ -382,6 +382,32 @@ def test_collectives_are_counted_per_op_as_the_strategies_issue_them():
     assert rs == COLLECTIVES["reduce_scatter"] and rs != hw.bandwidth(2)  # gloo's reduce-scatter: its own
 
 
+def test_in_compute_collectives_wait_for_the_other_rank_on_cpu_ranks_only():
+    """tp's all-reduces and pp's sends and receives block inside forward and backward: on CPU ranks each
+    also waits out the other rank's host jitter, SYNC_WAIT x compute a step on top of the link (measured
+    0.17-0.37 for tp; the table alone put tp 2x short on every shape); data parallelism and GPU ranks
+    carry no such term. The per-op figure, the total and the exposed time all hold it."""
+    from nbtool.plan.cpu_costs import SYNC_WAIT
+    from nbtool.plan.estimate import P2P
+
+    cpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    numels = (128,) * 38 + (16384,) * 16 + (65536,) * 8
+    m = ModelShape(sum(numels), layers=4, hidden=128, heads=4, vocab=256, seq=32, numels=numels)
+    t = Training(micro_batch=8, seq=32, precision="fp32", grad_accum=4)
+    for layout, sizes, op in (("tp", {"tp": 2}, "all_reduce"), ("pp", {"pp": 2}, P2P)):
+        e = estimate(layout, m, t, cpu, **sizes)
+        link = sum(cpu.collective_s(c.link or c.op, c.group, c.count, c.bus_bytes, fallback=c.op) for c in e.comms)
+        assert sum(c.wait_s for c in e.comms) == pytest.approx(SYNC_WAIT[layout] * e.compute_s)
+        assert e.comm_s == pytest.approx(link + SYNC_WAIT[layout] * e.compute_s)
+        assert e.exposed_comm_s == pytest.approx(e.comm_s)
+        mine = next(c for c in e.comms if c.op == op)
+        own = cpu.collective_s(op, 2, mine.count, mine.bus_bytes, fallback=op)
+        assert e.comm_s_by_op(cpu)[op] == pytest.approx(own + SYNC_WAIT[layout] * e.compute_s)
+        gpu = estimate(layout, m, t, HARDWARE_PRESETS["8x H100-80GB NVLink"], **sizes)
+        assert all(c.wait_s == 0 for c in gpu.comms)
+    assert all(c.wait_s == 0 for c in estimate("fsdp", m, t, cpu).comms + estimate("ddp", m, t, cpu).comms)
+
+
 def test_calibration_fits_an_op_its_run_timed_in_enough_sizes():
     """A run's blocking collectives of one op in 3 sizes spanning 4x give that op's link; an op timed in
     fewer sizes keeps the base's (two sizes of one op do not tell latency from bandwidth in training)."""

@@ -58,6 +58,17 @@ COLLECTIVES = {
     "all_gather (ZeRO-3 fetch)": (546e-6, 0.682e9),
 }
 
+# Tensor parallelism's all-reduces and a pipeline's sends and receives sit inside forward and backward,
+# a few ms of host work apart; the thread blocks on each until the other rank gets there, so on top of
+# the link time it waits out whatever delayed the other rank since the last one (a preemption, a halted
+# vCPU's wake-up: this 2-core VM wakes one in about 4 ms). That wait grows with the work between them:
+# beyond the table above, 0.17-0.37 x the step's compute for tp (the median by model shape, 5 shapes),
+# 0.06-0.25 for pp. Per row, the median over its 47 runs (3 shapes x 3 repeats x 5 sessions, a Llama, a GPT-2) of
+# ``plan_accuracy.py`` of (exposed comm measured - the link's time) / compute, fitted by
+# ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
+# where the ranks meet anyway, and the table's fit already holds their wait.
+SYNC_WAIT = {"tp": 0.27, "pp": 0.18}
+
 
 def _row(layout: Layout, precision: str) -> str:
     """The S_PER_TENSOR row for ``layout``; unmeasured layouts take their nearest (tp x pp: tp's;
@@ -74,3 +85,9 @@ def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_sp
     reference's, for ``gflop`` and ``tensors`` per rank."""
     per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP
     return host_speed * (per_gflop * gflop + S_PER_TENSOR[_row(layout, precision)] * tensors)
+
+
+def sync_wait_s(layout: Layout, compute_s: float) -> float:
+    """Seconds per step the thread waits, beyond the link, for the other rank at collectives inside
+    forward and backward (tensor and pipeline parallelism; 0 for the others) on CPU ranks."""
+    return SYNC_WAIT.get(_row(layout, "fp32"), 0.0) * compute_s if layout.mesh else 0.0

@@ -97,7 +97,10 @@ Sources, per figure:
   row of their own), else the node's link. On CPU
   ranks (``Hardware.host_speed`` set) compute is the measured per-strategy
   model of nbtool.plan.cpu_costs (FLOPs plus the host's work per parameter
-  tensor), and no communication is hidden: gloo shares the cores.
+  tensor), and no communication is hidden: gloo shares the cores; the
+  collectives inside forward and backward (tp's all-reduces, pp's sends and
+  receives) also wait for the other rank's host jitter, a measured fraction
+  of the compute between them (``cpu_costs.SYNC_WAIT``).
 """
 from __future__ import annotations
 
@@ -140,6 +143,7 @@ class Comm:
     count: float
     bus_bytes: float
     link: str = ""  # the Hardware op link they take, where it is not the op's own (falls back to the op's)
+    wait_s: float = 0.0  # and seconds waiting for the other ranks beyond the link (CPU ranks: cpu_costs.SYNC_WAIT)
 
 
 @dataclass
@@ -167,12 +171,14 @@ class Estimate:
     states: dict = field(default_factory=dict)
     peak_phase: str = ""  # "backward start" or "optimizer step": where ``device`` is taken
 
-    def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "") -> float:
-        """Count ``count`` collectives ``op`` of ``bus_bytes`` in all; returns their seconds on ``hw``."""
+    def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "",
+                 wait_s: float = 0.0) -> float:
+        """Count ``count`` collectives ``op`` of ``bus_bytes`` in all, and ``wait_s`` seconds their thread
+        waits for the other ranks beyond the link; returns their seconds on ``hw``."""
         if group < 2 or count <= 0:
             return 0.0
-        self.comms.append(Comm(op, group, count, bus_bytes, link))
-        seconds = hw.collective_s(link or op, group, count, bus_bytes, fallback=op)
+        self.comms.append(Comm(op, group, count, bus_bytes, link, wait_s))
+        seconds = hw.collective_s(link or op, group, count, bus_bytes, fallback=op) + wait_s
         self.comm_bus_bytes += bus_bytes
         self.comm_s += seconds
         return seconds
@@ -182,7 +188,7 @@ class Estimate:
         out: dict = {}
         for c in self.comms:
             out[c.op] = out.get(c.op, 0.0) + hw.collective_s(c.link or c.op, c.group, c.count, c.bus_bytes,
-                                                             fallback=c.op)
+                                                             fallback=c.op) + c.wait_s
         return out
 
     @property
@@ -406,11 +412,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             # and then adds it to .grad: one (the largest) more in backward, at the stage's peak
             e.device["buffers"] = 4 * largest / tp
         bus_dp = 2 * frac * shard * 4
+        # CPU ranks: the in-compute collectives' wait for the other rank, on the first of them counted
+        wait = cpu_costs.sync_wait_s(layout, e.compute_s) if cpu else 0.0
         if tp > 1 and m.hidden:  # activation traffic needs the model's width
             s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
             bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * (2 if mixed else 4) * t.grad_accum
-            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, bus_tp)
+            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, bus_tp, wait_s=wait)
+            wait = 0.0
             e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
         if pp > 1:
             s, b, h = seq, t.micro_batch, m.hidden
@@ -420,7 +429,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 # next (the recorder counts both ends), in the activations' dtype
                 hops = first_rank_hops(pp, virtual, schedule)
                 p2p = 2 * micro * s * b * h * (2 if mixed else 4) * hops
-                e.add_comm(hw, P2P, 2, 2 * micro * hops, p2p)  # sends and receives, as the recorder counts
+                e.add_comm(hw, P2P, 2, 2 * micro * hops, p2p, wait_s=wait)  # sends and receives, as the recorder counts
             for k in tied:  # the stages' copies' gradients summed (fp32, as the weights)
                 e.add_comm(hw, "all_reduce", pp, 1, 2 * (pp - 1) / pp * 4 * k)
             bubble = bubble_fraction(pp, micro, schedule, virtual)

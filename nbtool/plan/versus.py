@@ -481,9 +481,11 @@ def _op_rows(run, e: Estimate, hw: Hardware) -> list:
             continue
         alpha, bw = hw.bandwidth(run.world_size, next((c.link for c in e.comms if c.op == op and c.link), op), op)
         note = f"{n:g} a step measured, the planner counts {counts[op]:g}" if abs(n - counts[op]) > 0.5 else ""
+        wait = sum(c.wait_s for c in e.comms if c.op == op)
         rows.append(Row(f"    {op}", measured, predicted[op], "s",
                         f"blocked on it, median; model: {counts[op]:g} x alpha {alpha * 1e6:.0f} us + bytes / "
-                        f"B {bw / 1e9:.2f} GB/s", note=note))
+                        f"B {bw / 1e9:.2f} GB/s" + (f" + {wait * 1e3:.1f} ms waiting for the other rank's host "
+                                                    "work (CPU ranks)" if wait else ""), note=note))
     return rows
 
 
