@@ -263,6 +263,27 @@ def test_a_llama_runs_peak_tensors_are_predicted_within_tolerance(nano):
     assert v.estimate.device["activations"] > 0.5 * peak.measured, v.text()  # what this test is about
 
 
+def test_a_tensor_parallel_llamas_timeline_peak_holds_no_finished_all_reduce(nano):
+    """Under tp, DTensor's all-reduces clone their input into a result that gloo's worker thread may
+    let go of last, where torch's profiler records no free: the timeline had counted 1-6 of those
+    results still held at the peak, a different number each run (6-12% over the planner's peak). Each
+    is now taken as freed after the last op that read it: the same cell twice peaks within 1% of
+    itself and 3% of the planner's (whose tp activations equal autograd's saved bytes)."""
+    peaks = []
+    for _ in range(2):
+        nano.run_cell("%%distributed tp --memory-timeline --quiet\n"
+                      "model = CONFIGS['llama'](2)\n"
+                      "model, opt = strategy.prepare(model, torch.optim.AdamW(model.parameters()))\n"
+                      "for _ in range(3):\n"
+                      "    x = torch.randint(0, 128, (8, 64))\n"
+                      "    strategy.backward(_lm_loss(model(x), x)); opt.step(); opt.zero_grad()").raise_error()
+        v = nbtool.predicted_vs_measured()
+        peak = v.row("peak tensor memory")
+        assert abs(peak.error) < 0.03, v.text()
+        peaks.append(peak.measured)
+    assert abs(peaks[0] - peaks[1]) <= 0.01 * peaks[0], peaks
+
+
 @pytest.mark.parametrize("family", ["gpt2", "nanogpt"])
 def test_the_planner_counts_weights_tied_across_pipeline_stages(nano, family):
     """GPT-2 and nanoGPT tie the embedding to the head: under pp both stages hold a copy and nbtool sums

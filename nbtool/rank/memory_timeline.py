@@ -136,6 +136,10 @@ def _free_times(prof, device) -> tuple[list, dict]:
     - sent (a send's input), or only ever broadcast (the source rank's flat copy in DDP's start-up
       broadcast of the parameters), and held by no Python tensor now (the cell is over): when the
       last send or broadcast of it ended;
+    - made inside a functional collective (``_c10d_functional::*``: tensor parallelism's DTensor
+      all-reduces clone their input into the result, which the worker may let go of last): when the
+      last op that read it on the recorded thread ended (the consumer after the wait), if no Python
+      tensor holds it now (a tp run's peak had held 1-6 of them, a different number each run);
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
@@ -155,8 +159,11 @@ def _free_times(prof, device) -> tuple[list, dict]:
     # the parameters, whose last reference the source rank's gloo worker drops)
     sent = {k for k, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     ends = {id(w): w.end_time_ns for w in works}
-    alive = _python_tensor_addresses() if sent else frozenset()  # a walk of every object: only if needed
+    functional = {id(e): 0 for e in every if e.tag == _EventType.TorchOp
+                  and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}
+    alive = _python_tensor_addresses() if sent or functional else frozenset()  # a walk of every object: if needed
     allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
+    results, last_read = {}, {}  # functional collectives' results: (address, allocation id) -> id(allocation)
     for e in events:
         f = e.extra_fields
         if f.alloc_size > 0:
@@ -171,11 +178,23 @@ def _free_times(prof, device) -> tuple[list, dict]:
                 unseen[id(e)] = max(owner, used_until.get(key, 0))
             elif key in sent and f.ptr not in alive:
                 unseen[id(e)] = used_until[key]
+            elif f.ptr not in alive and _collective_of(e, functional) is not None:
+                results[key] = id(e)
         elif f.ptr in live:
             freed[id(live.pop(f.ptr))] = e.start_time_ns
+    if results:  # a functional collective's result: taken as freed when the last op reading it ended,
+        # before its address was handed out again (the profiler, blind to the free, gives the next
+        # tensor there the same allocation id)
+        for op in every:
+            if op.tag == _EventType.TorchOp:
+                for t in _tensors(op.extra_fields.inputs):
+                    alloc = results.get((t.storage_data_ptr, t.allocation_id))
+                    if alloc is not None and op.start_time_ns < unseen.get(alloc, float("inf")):
+                        last_read[alloc] = max(last_read.get(alloc, 0), op.end_time_ns)
     for e in allocs:
-        if id(e) not in freed and id(e) in unseen:
-            freed[id(e)] = unseen[id(e)]
+        taken = [t for t in (unseen.get(id(e)), last_read.get(id(e))) if t is not None]
+        if id(e) not in freed and taken:
+            freed[id(e)] = min(taken)
     return allocs, freed
 
 
