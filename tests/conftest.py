@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import sys
 import tempfile
 
@@ -11,6 +12,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 # IPython and ipyparallel profiles of the test session live here, never in the user's ~/.ipython
 os.environ["IPYTHONDIR"] = tempfile.mkdtemp(prefix="nbtool-tests-ipython-")
 sys.path.insert(0, os.path.dirname(__file__))
+# a run started as a background job of a non-interactive shell inherits SIGINT ignored, and then
+# _thread.interrupt_main (the tests' Ctrl-C) does nothing: the interrupt tests failed that way only
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session")
