@@ -159,8 +159,8 @@ def _free_times(prof, device) -> tuple[list, dict]:
     # the parameters, whose last reference the source rank's gloo worker drops)
     sent = {k for k, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     ends = {id(w): w.end_time_ns for w in works}
-    functional = {id(e): 0 for e in every if e.tag == _EventType.TorchOp
-                  and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}
+    functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
+                  and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
     alive = _python_tensor_addresses() if sent or functional else frozenset()  # a walk of every object: if needed
     allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
     results, last_read = {}, {}  # functional collectives' results: (address, allocation id) -> id(allocation)
