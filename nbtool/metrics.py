@@ -276,6 +276,8 @@ class RunDescription:
     batch: dict = field(default_factory=dict)  # the first batch on rank 0: samples, tokens, seq (ids only)
     spec: dict = field(default_factory=dict)  # the StrategySpec's fields (nbtool.spec), for the planner and advice
     compile: list = field(default_factory=list)  # [step, seconds] torch.compile spent (--compile), rank 0's
+    # CPU ranks: rank 0's [fp32, bf16] FLOP/s of one Linear's forward and backward (nbtool.rank.matmul_probe)
+    matmul_flops: list | None = None
 
 
 @dataclass

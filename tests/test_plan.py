@@ -1,6 +1,8 @@
 """The planner: ZeRO paper figures, DeepSpeed's own estimators, measured ledgers, rules of thumb."""
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -254,7 +256,14 @@ def test_dist_plan_calibrates_on_the_latest_run(ip, cluster, capsys):
     ip.run_line_magic("dist_plan", "--text --model 1e8 --micro-batch 2 --seq 128")
     out = capsys.readouterr().out
     assert "measured on this cluster: link (alpha " in out and "GFLOP/s achieved; time outside communication x" in out, out
-    assert "the CPU reference's) from run 'fsdp'" in out, out  # CPU ranks: the host-cost model's speed
+    # CPU ranks: the host-cost model's speed, and how fast bf16 computes here (the ranks' probe)
+    speed = re.search(r"the CPU reference's; bf16 at [0-9.e+]+ GFLOP/s, x([0-9.e+-]+) fp32's, measured\) from run 'fsdp'",
+                      out)
+    assert speed, out
+    # bf16 (this request's precision) emulated: the text says so, with fp32's predicted step next to it
+    note = re.search(r"with --precision fp32 the best choice's step is predicted at (\d+) ms, against (\d+) ms", out)
+    assert bool(note) == (float(speed.group(1)) < 1), out
+    assert not note or int(note.group(1)) < int(note.group(2)), out
 
 
 def test_picker_updates_and_apply_round_trips(ip, cluster, tmp_path):
@@ -552,6 +561,39 @@ for _, (x, y) in zip(range(6), strategy.dataloader(SyntheticTokens(samples=96, s
     fetches = versus(runs["zero3"], hw, "run 'ddp'").row("    all_gather")
     assert fetches.measured > 0 and fetches.predicted > 0 and "the planner counts" not in fetches.note, fetches
 
+
+
+def test_cpu_ranks_predict_bf16_from_an_fp32_run_and_back(ip, cluster):
+    """How fast bf16 computes against fp32 is the CPU's: where it is native the planner's reference fit
+    has it 2.5x faster per FLOP; on an AVX2-only CPU it is emulated, and FSDP's bf16 steps took 4.8x the
+    fp32 ones' time, so a calibration on an fp32 run predicted a bf16 run's compute 5x short, and one on
+    the bf16 run predicted the fp32 run 5x long. The ranks measure the ratio (one Linear's forward and
+    backward, nbtool.rank.matmul_probe), the calibration carries it, and each run is predicted from the
+    other within a factor 3 (a single CPU run moves up to 50% from the next; 5.6x off without the
+    probe)."""
+    import nbtool
+    from nbtool.plan.versus import calibrate, versus
+
+    runs = {}
+    for line in ("fsdp", "fsdp --precision bf16"):
+        ip.run_cell(f"""%%distributed {line} --quiet --no-watch
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
+m = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)
+model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+for _, (x, y) in zip(range(5), strategy.dataloader(SyntheticTokens(samples=96, seq=32, vocab=256), batch_size=8)):
+    strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
+""").raise_error()
+        runs[line] = nbtool.last_run()
+    fp32, bf16 = runs["fsdp"], runs["fsdp --precision bf16"]
+    probe = fp32.description.matmul_flops
+    assert probe and min(probe) > 0 and bf16.description.matmul_flops == probe  # once per engine
+    for base, other in ((fp32, bf16), (bf16, fp32)):
+        hw = calibrate(base)
+        assert hw.matmul_flops == tuple(probe) and " GFLOP/s, x" in hw.name, hw.name
+        compute = versus(other, hw, f"run {base.name!r}").row("  compute")
+        assert 1 / 3 < compute.predicted / compute.measured < 3, (base.name, compute, probe)
+    notes = versus(bf16, calibrate(fp32), "run 'fsdp'").notes
+    assert any("on this machine fp32 trains faster" in n for n in notes) == (probe[1] < probe[0]), (probe, notes)
 
 OWN_LOOPS = """%%distributed {line} --quiet
 from nbtool.rank.example_models import TinyTransformer, lm_loss

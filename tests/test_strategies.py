@@ -440,16 +440,16 @@ def test_uncategorised_timeline_counts_the_cells_own_blocks_only():
 
 
 def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
-    """gloo lets go of a collective's copies (FSDP2's reduce-scatter input, cloned inside the op) on
-    its worker thread, where torch's profiler records no free: unseen, they had looked held to the
-    end, and every step added its own (here 158-203 kB over the model states after 8 steps, and
-    growing with the steps). Taken as freed when their work ended, or when their address is handed
-    out again, what each rank's timeline holds after 16 steps is the ledger's model states (sharded
-    weights and Adam) plus the reduce-scatter inputs whose addresses no later step reused (FSDP2
-    allocates them itself and gloo's worker frees them: 0-140 kB seen here, up to 260 kB under CI
-    load, where which addresses get reused depends on timing) and a data batch; with the frees
-    unseen it held 631 kB more than that. Per-step peaks are not compared: a reduce-scatter waited late really holds
-    its buffers for a while, the more so under load."""
+    """gloo lets go of a collective's buffers (FSDP2's reduce-scatter input, cloned inside the op;
+    its flat all-gather output, allocated by FSDP2) on its worker thread, where torch's profiler
+    records no free: unseen, they had looked held to the end, and every step added its own (631 kB
+    over the model states after 16 steps). Taken as freed when their work (or, for an all-gather
+    output, its copy-out) ended, what each rank's timeline holds after 16 steps is the ledger's
+    model states (sharded weights and Adam) and a few bytes (8 here: an index tensor). Before the
+    all-gather outputs were recognised, 19-260 kB of them stayed counted, as many as happened not to
+    have their address handed out again: a different figure each run. Per-step peaks are not
+    compared: a reduce-scatter waited late really holds its buffers for a while, the more so under
+    load."""
     import nbtool
 
     ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-flat\n"
@@ -460,7 +460,7 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
     for t in run.timelines:
         ledger = [m.ledger for m in run.memory if m.ledger and m.rank == t.rank][-1]
         kept = ledger["params"] + ledger["optimizer_state"] + ledger["other"]
-        assert kept <= t.totals()[-1] <= kept + 12 * PSI + 16 * 1024, (t.rank, t.totals()[-1], ledger)
+        assert kept <= t.totals()[-1] <= kept + 1024, (t.rank, t.totals()[-1], ledger)
         assert sorted(by_step[t.rank]) == list(range(2, 17))
         # every step gathers and computes above what it keeps, and none passes the run's peak
         assert all(kept < p <= max(t.totals()) for p in by_step[t.rank].values()), (by_step[t.rank], kept)

@@ -119,6 +119,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
             cal, name = state.calibration
             hw = replace(hw, intra_latency=cal.intra_latency, intra_bw=cal.intra_bw, peak_flops=cal.peak_flops,
                          host_speed=cal.host_speed if hw.host_speed is not None else None,
+                         matmul_flops=cal.matmul_flops or hw.matmul_flops,
                          op_links=cal.op_links, measured=True)
             measured.append(f"{cal.name} from run {name!r}")
         if state.commbench is not None and "all_reduce" in state.commbench.fits:
@@ -161,6 +162,15 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     choices = runnable_choices(rec, training)
     if choices:
         print(f"run it: %%distributed {choices[0].magic_line(training)}")
+    slow = hw.speedup_16bit if hw.host_speed is not None and training.precision == "bf16" else None
+    if slow is not None and slow < 1 and rec.best is not None:  # CPU ranks that emulate bf16
+        from dataclasses import replace
+
+        fp32 = recommend(shape, replace(training, precision="fp32"), hw).best
+        if fp32 is not None:
+            print(f"note: bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured); with "
+                  f"--precision fp32 the best choice's step is predicted at {fp32.step_s * 1e3:.0f} ms, against "
+                  f"{rec.best.step_s * 1e3:.0f} ms")
     return None
 
 

@@ -18,7 +18,15 @@ torch 2.13 CPU build, one thread per rank. There ``host_speed`` is 1; a run
 on another machine calibrates it (``nbtool.plan.versus.calibrate``: its
 measured time outside communication over this model's). bf16 matmuls ran
 about 2.5x faster per FLOP than fp32 on this CPU (the wide shape's fsdp: 57
-against 114 ms), hence the second FLOP rate.
+against 114 ms), hence the second FLOP rate. That rate is the CPU's, not
+the model's: where the ranks measured theirs (``Hardware.matmul_flops``,
+nbtool.rank.matmul_probe) a bf16 run's FLOPs take their time at the measured
+bf16 rate instead, not scaled by ``host_speed`` (which, on CPU ranks, is
+mostly the host's per-tensor work). On an AVX2-only AMD EPYC VM, where bf16 is
+emulated (4.3 against fp32's 50 GFLOP/s in the probe), fsdp bf16 compute was
+predicted within -5..+7% on the deep and Llama shapes and -5..-20% on the
+tutorial's; the fp32 rate x host_speed x the probe's ratio had put it +14% to
++95% off, the reference's bf16 rate -81%.
 
 Fitted on models of 38-198 parameter tensors and 0.3-6 GFLOP per rank per
 step: in sample 43 of 48 runs within 25% (median 9%, worst 35%, deep tp).
@@ -80,11 +88,25 @@ def _row(layout: Layout, precision: str) -> str:
     return layout.strategy
 
 
-def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0) -> float:
+def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0,
+           bf16_flops: float | None = None) -> float:
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
-    reference's, for ``gflop`` and ``tensors`` per rank."""
+    reference's, for ``gflop`` and ``tensors`` per rank; ``bf16_flops``: where the ranks measured it
+    (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate, unscaled."""
+    host = S_PER_TENSOR[_row(layout, precision)] * tensors
+    if precision == "bf16" and bf16_flops:
+        return host_speed * host + gflop * 1e9 / bf16_flops
     per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP
-    return host_speed * (per_gflop * gflop + S_PER_TENSOR[_row(layout, precision)] * tensors)
+    return host_speed * (per_gflop * gflop + host)
+
+
+def host_speed_of(layout: Layout, precision: str, gflop: float, tensors: float, compute_s: float,
+                  bf16_flops: float | None = None) -> float:
+    """The ``host_speed`` at which ``step_s`` gives the measured ``compute_s``; a bf16 run measured
+    faster than its probed FLOP time alone (noise) scales the whole instead."""
+    fixed = step_s(layout, precision, gflop, tensors, 0.0, bf16_flops)  # what host_speed does not scale
+    scaled = step_s(layout, precision, gflop, tensors, 1.0, bf16_flops) - fixed
+    return (compute_s - fixed) / scaled if compute_s > fixed else compute_s / (scaled + fixed)
 
 
 def sync_wait_s(layout: Layout, compute_s: float) -> float:

@@ -26,7 +26,8 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list
                         base.intra_latency, base.inter_latency,
                         link=base.link if nodes == 1 else "loopback within a host, the network across",
                         peak_flops=base.peak_flops, host_link_bw=base.host_link_bw,
-                        host_speed=base.host_speed, op_links=base.op_links)
+                        host_speed=base.host_speed, op_links=base.op_links,
+                        matmul_flops=tuple(facts["matmul_flops"]) if facts.get("matmul_flops") else None)
     gpu = facts["gpus"][0]
     from ..nvml import link_summary
 

@@ -396,7 +396,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     # one replica's work, split over its tp * pp devices
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
-        e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed)
+        e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed,
+                                       hw.bf16_flops)
     else:
         e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
 

@@ -181,6 +181,9 @@ class Hardware:
     # CPU ranks: their step time outside communication over nbtool.plan.cpu_costs' reference machine's
     # (None: devices, whose kernels hide the host's work; compute comes from peak_flops)
     host_speed: float | None = None
+    # CPU ranks: (fp32, bf16) FLOP/s of one Linear's forward and backward there (nbtool.rank.matmul_probe);
+    # None: bf16 as on the reference machine, where it is native (cpu_costs.S_PER_GFLOP_16BIT)
+    matmul_flops: tuple | None = None
     # per-op links within a node, ((op, alpha, B), ...), where an op costs more than the generic link
     # gives: gloo's reduce-scatter is an all-reduce plus flat copies; CPU ranks in training pay more
     # latency per collective than a quiet sweep (nbtool.plan.cpu_costs.COLLECTIVES); %commbench's own fits
@@ -192,6 +195,15 @@ class Hardware:
     @property
     def devices(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def speedup_16bit(self) -> float | None:
+        """CPU ranks: bf16's measured FLOP rate over fp32's (below 1 where the CPU emulates bf16)."""
+        return self.matmul_flops[1] / self.matmul_flops[0] if self.matmul_flops else None
+
+    @property
+    def bf16_flops(self) -> float | None:
+        return self.matmul_flops[1] if self.matmul_flops else None
 
     def bandwidth(self, group: int, op: str | None = None, fallback: str | None = None) -> tuple[float, float]:
         """(alpha, B) for a collective ``op`` over ``group`` devices: within a node the op's own link

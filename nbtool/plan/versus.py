@@ -347,12 +347,16 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
             opts = layout_options(run)
             compute /= 1 + bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
-        if cpu:  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs)
-            reference = cpu_costs.step_s(as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
-            hw = replace(hw, host_speed=compute / reference)
+        if cpu:  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs), and how much
+            # faster or slower bf16 computes here: a run in one precision predicts the other
+            probe = run.description.matmul_flops
+            hw = replace(hw, matmul_flops=tuple(probe) if probe else hw.matmul_flops)
+            hw = replace(hw, host_speed=cpu_costs.host_speed_of(as_layout(layout), training.precision, flops / 1e9,
+                                                                len(shape.numels) / pp, compute, hw.bf16_flops))
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
-                    + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's)"
-                       if hw.host_speed is not None else ")"))
+                    + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's" if cpu else "")
+                    + (f"; bf16 at {hw.bf16_flops / 1e9:.2g} GFLOP/s, x{hw.speedup_16bit:.2g} fp32's, measured"
+                       if cpu and hw.matmul_flops else "") + ")")
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
@@ -431,6 +435,11 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                     TOLERANCE["step time"]))
     rows.append(Row("  compute", measured_compute_s(run), e.compute_s + e.bubble_s, "s",
                     "step time minus comm busy time, median" + (" (bubble included)" if pp > 1 else "")))
+    slow = hw.speedup_16bit if hw.host_speed is not None and training.precision == "bf16" else None
+    if slow is not None and slow < 1:
+        notes.append(f"bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured: one Linear's "
+                     "forward and backward; a CPU without bf16 instructions emulates it), and the compute term "
+                     "uses that: on this machine fp32 trains faster")
     exposed = typical_step(run, "exposed_s") if summary["exposed_s_per_step"] is not None else None
     rows.append(Row("  exposed comm", exposed, e.exposed_comm_s, "s",
                     "thread blocked on collectives, median" if exposed is not None

@@ -329,13 +329,18 @@ def _watch_kernel(kernel_pid: int, controller_pid: int | None, cleanup_paths: tu
 
 
 def hardware_facts() -> dict:
-    """What this rank's machine has, for the planner: devices, their memory, host RAM, and on GPU
-    machines with nvidia-ml-py their NVLink / PCIe topology (nbtool.nvml)."""
+    """What this rank's machine has, for the planner: devices, their memory, host RAM, on GPU
+    machines with nvidia-ml-py their NVLink / PCIe topology (nbtool.nvml), on CPU ranks how fast
+    bf16 computes against fp32 (nbtool.rank.matmul_probe)."""
     import psutil
     import torch
 
     facts = {"host_memory": psutil.virtual_memory().total, "cpus": os.cpu_count(), "gpus": []}
-    if torch.cuda.is_available():
+    if not torch.cuda.is_available():  # CPU ranks: their bf16 compute against fp32's
+        from .matmul_probe import matmul_flops
+
+        facts["matmul_flops"] = list(matmul_flops())
+    else:
         facts["gpus"] = [{"name": p.name, "memory": p.total_memory, "major": p.major} for p in
                          map(torch.cuda.get_device_properties, range(torch.cuda.device_count()))]
         facts["cublas_config"] = os.environ.get("CUBLAS_WORKSPACE_CONFIG")  # sizes cuBLAS's workspaces

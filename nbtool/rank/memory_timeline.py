@@ -137,9 +137,11 @@ def _free_times(prof, device) -> tuple[list, dict]:
       broadcast of the parameters), and held by no Python tensor now (the cell is over): when the
       last send or broadcast of it ended;
     - made inside a functional collective (``_c10d_functional::*``: tensor parallelism's DTensor
-      all-reduces clone their input into the result, which the worker may let go of last): when the
-      last op that read it on the recorded thread ended (the consumer after the wait), if no Python
-      tensor holds it now (a tp run's peak had held 1-6 of them, a different number each run);
+      all-reduces clone their input into the result, which the worker may let go of last), or only
+      ever all-gathered into or reduce-scattered (FSDP2's flat all-gather output, read by its
+      copy-out after the wait): when the last op that read it ended (the consumer after the wait),
+      if no Python tensor holds it now (a tp run's peak had held 1-6 of them, a different number
+      each run; a 16-step fsdp run's end 19-209 kB of all-gather outputs);
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
@@ -158,12 +160,14 @@ def _free_times(prof, device) -> tuple[list, dict]:
     # handed to the backend: sent, or only ever broadcast (DDP's start-up broadcast of a flat copy of
     # the parameters, whose last reference the source rank's gloo worker drops)
     sent = {k for k, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
+    # FSDP's flat buffers; DDP's buckets, which only C++ holds and which outlive the cell, are all-reduced
+    sharding = {k for k, ops in uses.items() if all("gather" in op or "reduce_scatter" in op for op in ops)}
     ends = {id(w): w.end_time_ns for w in works}
     functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
                   and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
-    alive = _python_tensor_addresses() if sent or functional else frozenset()  # a walk of every object: if needed
+    alive = _python_tensor_addresses() if sent or functional or sharding else frozenset()  # walks every object
     allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
-    results, last_read = {}, {}  # functional collectives' results: (address, allocation id) -> id(allocation)
+    results, last_read = {}, {}  # read after the collective: (address, allocation id) -> id(allocation)
     for e in events:
         f = e.extra_fields
         if f.alloc_size > 0:
@@ -178,11 +182,11 @@ def _free_times(prof, device) -> tuple[list, dict]:
                 unseen[id(e)] = max(owner, used_until.get(key, 0))
             elif key in sent and f.ptr not in alive:
                 unseen[id(e)] = used_until[key]
-            elif f.ptr not in alive and _collective_of(e, functional) is not None:
+            elif f.ptr not in alive and (key in sharding or _collective_of(e, functional) is not None):
                 results[key] = id(e)
         elif f.ptr in live:
             freed[id(live.pop(f.ptr))] = e.start_time_ns
-    if results:  # a functional collective's result: taken as freed when the last op reading it ended,
+    if results:  # a collective's result: taken as freed when the last op reading it ended,
         # before its address was handed out again (the profiler, blind to the free, gives the next
         # tensor there the same allocation id)
         for op in every:

@@ -100,8 +100,19 @@ def finish(want_summary: bool = True) -> dict:
                 precision=_last.spec.precision, reshard_after_forward=_last.spec.reshard_after_forward,
                 dims=tuple(dims) if dims is not None else None, model_shape=dict(_last._model_shape),
                 batch=dict(_last.batch_seen), spec=_spec_fields(_last.spec),
-                compile=list(_last.compile_clock.events) if _last.compile_clock is not None else [])
+                compile=list(_last.compile_clock.events) if _last.compile_clock is not None else [],
+                matmul_flops=_cpu_matmul_flops(_last.device))
     return out
+
+
+def _cpu_matmul_flops(device) -> list | None:
+    """On CPU ranks, how fast fp32 and bf16 compute here (measured once per process, after the cell:
+    outside its steps' times); None on GPU ranks."""
+    if str(device).startswith("cpu"):
+        from ..matmul_probe import matmul_flops
+
+        return list(matmul_flops())
+    return None
 
 
 def _spec_fields(spec: StrategySpec) -> dict:
