@@ -524,15 +524,13 @@ def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parall
     assert without == pytest.approx(4 * sbh * (10 + 24 / 2 + 8) + head + weights)
 
 
-def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster):
-    """CPU ranks: calibrated on a ddp run, the planner predicts zero3's time outside communication
-    through the per-tensor host cost (nbtool.plan.cpu_costs), not ddp's FLOP rate alone (which put it
-    at ddp's, 60-80% short); calibrated on a run, that run's own compute is predicted exactly."""
+def _tutorial_runs(ip, lines) -> dict:
+    """line -> the run of 6 steps under it, at benchmarks/plan_accuracy.py's tutorial shape (inside
+    the range nbtool.plan.cpu_costs was fitted on)."""
     import nbtool
-    from nbtool.plan.versus import calibrate, versus
 
     runs = {}
-    for line in ("ddp", "zero3"):  # benchmarks/plan_accuracy.py's tutorial shape: inside the fitted range
+    for line in lines:
         ip.run_cell(f"""%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 m = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)
@@ -541,6 +539,16 @@ for _, (x, y) in zip(range(6), strategy.dataloader(SyntheticTokens(samples=96, s
     strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
 """).raise_error()
         runs[line] = nbtool.last_run()
+    return runs
+
+
+def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster):
+    """CPU ranks: calibrated on a ddp run, the planner predicts zero3's time outside communication
+    through the per-tensor host cost (nbtool.plan.cpu_costs), not ddp's FLOP rate alone (which put it
+    at ddp's, 60-80% short); calibrated on a run, that run's own compute is predicted exactly."""
+    from nbtool.plan.versus import calibrate, versus
+
+    runs = _tutorial_runs(ip, ("ddp", "zero3"))
     hw = calibrate(runs["ddp"])
     assert hw.host_speed is not None and 0.1 < hw.host_speed < 10, hw  # CPU ranks: the host model's speed
     # DDP's bucket all-reduces are all async, sharing the cores with backward: not the link's time, so the
@@ -571,19 +579,9 @@ def test_cpu_ranks_predict_bf16_from_an_fp32_run_and_back(ip, cluster):
     backward, nbtool.rank.matmul_probe), the calibration carries it, and each run is predicted from the
     other within a factor 3 (a single CPU run moves up to 50% from the next; 5.6x off without the
     probe)."""
-    import nbtool
     from nbtool.plan.versus import calibrate, versus
 
-    runs = {}
-    for line in ("fsdp", "fsdp --precision bf16"):
-        ip.run_cell(f"""%%distributed {line} --quiet --no-watch
-from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
-m = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)
-model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
-for _, (x, y) in zip(range(5), strategy.dataloader(SyntheticTokens(samples=96, seq=32, vocab=256), batch_size=8)):
-    strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
-""").raise_error()
-        runs[line] = nbtool.last_run()
+    runs = _tutorial_runs(ip, ("fsdp", "fsdp --precision bf16"))
     fp32, bf16 = runs["fsdp"], runs["fsdp --precision bf16"]
     probe = fp32.description.matmul_flops
     assert probe and min(probe) > 0 and bf16.description.matmul_flops == probe  # once per engine
