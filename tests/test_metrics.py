@@ -384,6 +384,38 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert "predicted vs measured, run" in out
 
 
+
+def test_bf16_is_advised_back_to_fp32_where_the_cpu_emulates_it(ranks, capsys):
+    """Where the ranks measured bf16 slower than fp32 (nbtool.rank.matmul_probe; a CPU without bf16
+    instructions emulates it: 4.4 against 57 GFLOP/s on an AVX2-only EPYC), a bf16 run is advised its
+    fp32 line with the step time the planner predicts for it; run as written, the measured step time
+    falls as predicted. Where bf16 is not slower, it is not advised."""
+    from nbtool.plan.advice import measure
+
+    magics = ranks.magics_manager.registry["NbtoolMagics"]
+    # benchmarks/plan_accuracy.py's tutorial shape: enough FLOPs that precision decides the step
+    cell = """%%distributed {line} --quiet
+m = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)
+model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+for _, (x, y) in zip(range(5), strategy.dataloader(SyntheticTokens(samples=64, seq=32, vocab=256), batch_size=8)):
+    strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
+"""
+    ranks.run_cell(cell.format(line="fsdp --precision bf16")).raise_error()
+    run = nbtool.last_run()
+    fp32_flops, bf16_flops = run.description.matmul_flops
+    advice = [s for s in magics.session.advice if s.figure == "step time"]
+    assert bool(advice) == (bf16_flops < fp32_flops), (run.description.matmul_flops, magics.session.advice)
+    if not advice:
+        return
+    (s,) = advice
+    assert s.line == "fsdp" and s.predicted < s.before and "emulates" in s.why, s
+    capsys.readouterr()
+    ranks.run_cell(cell.format(line=s.line).replace(" --quiet", "")).raise_error()
+    out = capsys.readouterr().out
+    after = measure(nbtool.last_run(), "step time")
+    assert after < s.before, (s, after)
+    assert "advice followed (from run 'fsdp'): step time" in out and "(as predicted)" in out, out
+
 def test_overlap_comm_is_advised_on_gpus_only_with_the_bucket_it_costs(ranks):
     """On CPU ranks DeepSpeed reduces on the training thread whatever --overlap-comm says (measured: the
     same exposed time, and a second reduce bucket in memory): never advised there. The same run with

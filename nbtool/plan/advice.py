@@ -15,7 +15,7 @@ from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import line_of
 from .estimate import estimate
-from .versus import Versus, planner_inputs, ran_on_cpu, run_estimate, spec_of
+from .versus import Versus, planner_inputs, ran_on_cpu, run_estimate, spec_of, typical_step
 
 MAX_SUGGESTIONS = 3
 BUCKET_OPS = ("all_reduce",)
@@ -26,7 +26,7 @@ class Suggestion:
     line: str  # what follows %%distributed
     why: str
     figure: str  # the measured figure it moves: "bus bytes / step", "collectives / step", "bubble",
-    # "exposed comm / step"
+    # "exposed comm / step", "step time"
     before: float  # measured on the run it was made from
     predicted: float  # the planner's figure after the change
     effect: str  # the predicted effect, for people
@@ -37,7 +37,7 @@ class Suggestion:
 
 
 def measure(run, figure: str) -> float | None:
-    """The figure a suggestion moves, measured on ``run`` (rank 0, mean of steps 2..N)."""
+    """The figure a suggestion moves, measured on ``run`` (rank 0, mean of steps 2..N; step time: median)."""
     summary = run_analysis.summary(run)
     if figure == "bus bytes / step":
         return summary["bus_bytes_per_step"]
@@ -48,6 +48,8 @@ def measure(run, figure: str) -> float | None:
     if figure == "bubble":
         rows = run_analysis.bubble_table(run)
         return sum(r["bubble"] for r in rows) / len(rows) if rows else None
+    if figure == "step time":  # wall time, median of steps 2..N (as the table's row)
+        return typical_step(run) or None
     raise ValueError(figure)
 
 
@@ -119,6 +121,19 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             summary["bus_bytes_per_step"] * e2.comm_bus_bytes / max(e.comm_bus_bytes, 1),
             f"bus bytes/step x{e2.comm_bus_bytes / max(e.comm_bus_bytes, 1):.2f}, "
             f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
+    slow = hw.speedup_16bit
+    if spec.precision == "bf16" and not cuda and slow is not None and slow < 1:  # CPU ranks that emulate bf16
+        e2 = run_estimate(run, hw, precision="fp32")
+        before = typical_step(run)
+        after = before * e2.step_s / e.step_s  # the measured step scaled by the predicted ratio
+        if e2.step_s < 0.9 * e.step_s:  # a model this small spends its step elsewhere: not worth a line
+            out.append((e.step_s - e2.step_s, Suggestion(
+                line_of(replace(spec, precision="fp32")),
+                f"bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured: the CPU emulates it)",
+                "step time", before, after,
+                f"step time {before * 1e3:.0f} -> {after * 1e3:.0f} ms (x{e2.step_s / e.step_s:.2f}), memory "
+                f"{'+' if e2.device_total >= e.device_total else '-'}"
+                f"{format_bytes(abs(e2.device_total - e.device_total))}", run.name)))
     # only what the planner predicts to shorten the step (more micro-batches can cost more in sends
     # than they save in bubble: on CPU ranks each send pays ~0.3 ms)
     out = sorted((x for x in out if x[0] > 0), key=lambda x: -x[0])
@@ -127,7 +142,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
 
 # how each figure a suggestion moves is written (others: one decimal)
 _FORMATS = {"bus bytes / step": format_bytes, "bubble": lambda v: f"{v:.0%}",
-            "exposed comm / step": lambda v: f"{v * 1e3:.1f} ms"}
+            "exposed comm / step": lambda v: f"{v * 1e3:.1f} ms", "step time": lambda v: f"{v * 1e3:.1f} ms"}
 
 
 def followed(run, suggestion: Suggestion) -> str:

@@ -360,10 +360,13 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
-def run_estimate(run, hw: Hardware, **changes) -> Estimate:
+def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> Estimate:
     """The planner's estimate of ``run`` on ``hw``, with the options the run used (DeepSpeed's config,
-    DDP's compression, the layout's); ``changes`` override them (advice: what a changed line would do)."""
+    DDP's compression, the layout's); ``precision`` and ``changes`` override them (advice: what a
+    changed line would do)."""
     layout, shape, training, tp, pp = planner_inputs(run)
+    if precision is not None:
+        training = replace(training, precision=precision)
     zero = _zero_config(run)
     options = dict(persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
                    reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
