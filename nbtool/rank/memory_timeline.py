@@ -141,7 +141,7 @@ def _free_times(prof, device) -> tuple[list, dict]:
       ever all-gathered into or reduce-scattered (FSDP2's flat all-gather output, read by its
       copy-out after the wait): when the last op that read it ended (the consumer after the wait),
       if no Python tensor holds it now (a tp run's peak had held 1-6 of them, a different number
-      each run; a 16-step fsdp run's end 19-209 kB of all-gather outputs);
+      each run; a 16-step fsdp run's end 19-260 kB of all-gather outputs);
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
     """
