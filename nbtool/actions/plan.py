@@ -162,15 +162,14 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     choices = runnable_choices(rec, training)
     if choices:
         print(f"run it: %%distributed {choices[0].magic_line(training)}")
-    slow = hw.speedup_16bit if hw.host_speed is not None and training.precision == "bf16" else None
-    if slow is not None and slow < 1 and rec.best is not None:  # CPU ranks that emulate bf16
+    emulated = hw.emulated_bf16() if training.precision == "bf16" else ""
+    if emulated and rec.best is not None:
         from dataclasses import replace
 
         fp32 = recommend(shape, replace(training, precision="fp32"), hw).best
         if fp32 is not None:
-            print(f"note: bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured); with "
-                  f"--precision fp32 the best choice's step is predicted at {fp32.step_s * 1e3:.0f} ms, against "
-                  f"{rec.best.step_s * 1e3:.0f} ms")
+            print(f"note: {emulated}; with --precision fp32 the best choice's step is predicted at "
+                  f"{fp32.step_s * 1e3:.0f} ms, against {rec.best.step_s * 1e3:.0f} ms")
     return None
 
 

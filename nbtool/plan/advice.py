@@ -121,16 +121,15 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             summary["bus_bytes_per_step"] * e2.comm_bus_bytes / max(e.comm_bus_bytes, 1),
             f"bus bytes/step x{e2.comm_bus_bytes / max(e.comm_bus_bytes, 1):.2f}, "
             f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
-    slow = hw.speedup_16bit
-    if spec.precision == "bf16" and not cuda and slow is not None and slow < 1:  # CPU ranks that emulate bf16
+    emulated = hw.emulated_bf16()
+    if spec.precision == "bf16" and not cuda and emulated:
         e2 = run_estimate(run, hw, precision="fp32")
         before = typical_step(run)
         after = before * e2.step_s / e.step_s  # the measured step scaled by the predicted ratio
         if e2.step_s < 0.9 * e.step_s:  # a model this small spends its step elsewhere: not worth a line
             out.append((e.step_s - e2.step_s, Suggestion(
                 line_of(replace(spec, precision="fp32")),
-                f"bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured: the CPU emulates it)",
-                "step time", before, after,
+                emulated, "step time", before, after,
                 f"step time {before * 1e3:.0f} -> {after * 1e3:.0f} ms (x{e2.step_s / e.step_s:.2f}), memory "
                 f"{'+' if e2.device_total >= e.device_total else '-'}"
                 f"{format_bytes(abs(e2.device_total - e.device_total))}", run.name)))

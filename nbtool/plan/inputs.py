@@ -205,6 +205,15 @@ class Hardware:
     def bf16_flops(self) -> float | None:
         return self.matmul_flops[1] if self.matmul_flops else None
 
+    def emulated_bf16(self) -> str:
+        """Where CPU ranks measured bf16 slower than fp32, a sentence saying so (for the table's note,
+        %dist_plan and advice); else ""."""
+        slow = self.speedup_16bit if self.host_speed is not None else None
+        if slow is None or slow >= 1:
+            return ""
+        return (f"bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured: one Linear's "
+                "forward and backward; the CPU emulates it)")
+
     def bandwidth(self, group: int, op: str | None = None, fallback: str | None = None) -> tuple[float, float]:
         """(alpha, B) for a collective ``op`` over ``group`` devices: within a node the op's own link
         where one is known (else ``fallback``'s, else the node's), across nodes the inter-node link."""

@@ -438,11 +438,8 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
                     TOLERANCE["step time"]))
     rows.append(Row("  compute", measured_compute_s(run), e.compute_s + e.bubble_s, "s",
                     "step time minus comm busy time, median" + (" (bubble included)" if pp > 1 else "")))
-    slow = hw.speedup_16bit if hw.host_speed is not None and training.precision == "bf16" else None
-    if slow is not None and slow < 1:
-        notes.append(f"bf16 computes at x{slow:.2g} fp32's FLOP rate on these CPU ranks (measured: one Linear's "
-                     "forward and backward; a CPU without bf16 instructions emulates it), and the compute term "
-                     "uses that: on this machine fp32 trains faster")
+    if training.precision == "bf16" and (emulated := hw.emulated_bf16()):
+        notes.append(f"{emulated}, and the compute term uses that: on this machine fp32 trains faster")
     exposed = typical_step(run, "exposed_s") if summary["exposed_s_per_step"] is not None else None
     rows.append(Row("  exposed comm", exposed, e.exposed_comm_s, "s",
                     "thread blocked on collectives, median" if exposed is not None
