@@ -56,6 +56,8 @@ run.add([MemorySample(r, t, 0, "interval", rss=2**30, cuda_reserved=(t + 1) * 2*
 dash = Dashboard(2, cuda=True)
 dash.refresh(run, force=True)
 show_figure(dash.static(run))"""
+# the picker on this cluster's CPU ranks, calibrated on the run before it, and the same plan as text
+CLUSTER_PLAN = "%dist_plan --model 1e8 --micro-batch 2 --seq 128"
 TIMELINE = (TRAIN.replace("%%distributed ddp", "%%distributed ddp --memory-timeline")
             .replace("    time.sleep(0.25)\n", "").replace("step == 59", "step == 4"))
 
@@ -212,9 +214,11 @@ def _export(path: Path, sanitize: bool) -> Path:
 
 def test_memory_timeline_plot_shows_each_ranks_categories(page):
     """--memory-timeline: under the dashboard's static copy, a stacked plot per rank whose traces are
-    torch.profiler's categories, with points, read from the page."""
+    torch.profiler's categories, with points, read from the page. Then, on the same cluster, the
+    picker's note where the CPU ranks emulate bf16."""
     lab = page
-    lab.write("timeline.ipynb", notebook(SETUP, DATA, TIMELINE, GPU_PANEL))
+    lab.write("timeline.ipynb", notebook(SETUP, DATA, TIMELINE, GPU_PANEL, CLUSTER_PLAN,
+                                         CLUSTER_PLAN.replace("%dist_plan", "%dist_plan --text")))
     lab.open("timeline.ipynb")
     lab.run_and_wait(0, 120)
     lab.run_and_wait(1, 60)
@@ -247,6 +251,22 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
     reserved, driver, title, panel = lines
     assert reserved == [1024, 2048, 3072, 4096] and [d - r for d, r in zip(driver, reserved)] == [1536] * 4, lines
     assert "outside PyTorch's allocator (driver minus reserved): rank 0 1.50 GiB" in title and panel.startswith("GPU")
+
+    # the picker on CPU ranks that emulate bf16 says so above its ranking, as %dist_plan --text does;
+    # at fp32 the note goes
+    lab.run_and_wait(4, 60)
+    lab.wait(lambda: lab.plots(4) and sum(lab.plots(4)[0]) > 0, 20, "the cluster's picker chart has no bars")
+    lab.run_and_wait(5, 60)
+    text_note = [line for line in lab.output_text(5).splitlines() if line.startswith("note: bf16 computes at")]
+    page_note = lambda: lab.js("const n = document.querySelectorAll('.jp-Cell')[4].querySelector('.nbtool-note');"
+                               "return n ? n.innerText : null")
+    if text_note:
+        assert page_note() == text_note[0], (page_note(), text_note)
+        lab.shot_output(4, "picker_cpu_ranks")
+        lab.set_select(4, "precision", "fp32")
+        lab.wait(lambda: page_note() is None, 10, "the bf16 note stayed after precision went to fp32")
+    else:
+        assert page_note() is None, page_note()
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
     for s in lab.api("sessions"):  # its cluster goes with its kernel

@@ -25,7 +25,7 @@ from plotly.subplots import make_subplots
 from nbtool.plan.estimate import RESERVE
 from nbtool.plan.layouts import PREFERENCE
 from nbtool.plan.inputs import GB, HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training
-from nbtool.plan.recommend import _label, recommend, runnable_choices
+from nbtool.plan.recommend import _label, emulated_bf16_note, recommend, runnable_choices
 
 CATEGORIES = ("params", "grads", "optimizer", "activations", "buffers", "workspace")
 COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a", "#8c8c8c")
@@ -146,7 +146,8 @@ class Picker:
     def update(self) -> None:
         if self._quiet:
             return
-        rec = recommend(self.model_shape(), self.training(), self.hardware_now())
+        shape, training, hw = self.model_shape(), self.training(), self.hardware_now()
+        rec = recommend(shape, training, hw)
         self.recommendation = rec
         ests = sorted(rec.ranked + rec.rejected, key=lambda e: PREFERENCE.index(e.layout))
         names = [_label(e) for e in ests]
@@ -154,18 +155,21 @@ class Picker:
             for i, cat in enumerate(CATEGORIES):
                 self.fig.data[i].x = names
                 self.fig.data[i].y = [e.device.get(cat, 0) / GB for e in ests]
-            usable = (1 - RESERVE) * self.hardware_now().device_memory / GB
+            usable = (1 - RESERVE) * hw.device_memory / GB
             self.fig.data[len(CATEGORIES)].x = names
             self.fig.data[len(CATEGORIES)].y = [usable] * len(names)
             self.fig.data[-1].x = names
             self.fig.data[-1].y = [e.comm_bus_bytes / GB for e in ests]
-        runnable = runnable_choices(rec, self.training())
-        options = [(f"{_label(e)}: %%distributed {e.magic_line(self.training())}", i) for i, e in enumerate(runnable)]
+        runnable = runnable_choices(rec, training)
+        options = [(f"{_label(e)}: %%distributed {e.magic_line(training)}", i) for i, e in enumerate(runnable)]
         self._runnable = runnable
         self.choice.options = options
         self.choice.value = 0 if options else None
         items = "".join(f"<li>{html.escape(line)}</li>" for line in rec.lines())
-        self.ranking.value = f"<ol style='font-size:smaller'>{items}</ol>"
+        # CPU ranks that emulate bf16: say so above the ranking, with fp32's predicted step
+        note = emulated_bf16_note(shape, training, hw, rec)
+        note = f"<p class='nbtool-note' style='font-size:smaller'>note: {html.escape(note)}</p>" if note else ""
+        self.ranking.value = f"{note}<ol style='font-size:smaller'>{items}</ol>"
         self.updates += 1
 
     # -- actions ---------------------------------------------------------------

@@ -102,7 +102,7 @@ def _count_text(n: int) -> str:
 def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     """%dist_plan: the picker widget, or the ranked recommendation as text."""
     from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS
-    from ..plan.recommend import recommend, runnable_choices
+    from ..plan.recommend import emulated_bf16_note, recommend, runnable_choices
 
     hw = req.hardware
     if hw is None and cluster is not None and cluster.running:
@@ -162,14 +162,9 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     choices = runnable_choices(rec, training)
     if choices:
         print(f"run it: %%distributed {choices[0].magic_line(training)}")
-    emulated = hw.emulated_bf16() if training.precision == "bf16" else ""
-    if emulated and rec.best is not None:
-        from dataclasses import replace
-
-        fp32 = recommend(shape, replace(training, precision="fp32"), hw).best
-        if fp32 is not None:
-            print(f"note: {emulated}; with --precision fp32 the best choice's step is predicted at "
-                  f"{fp32.step_s * 1e3:.0f} ms, against {rec.best.step_s * 1e3:.0f} ms")
+    note = emulated_bf16_note(shape, training, hw, rec)
+    if note:
+        print(f"note: {note}")
     return None
 
 

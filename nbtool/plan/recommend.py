@@ -88,6 +88,21 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
     return rec
 
 
+def emulated_bf16_note(m: ModelShape, t: Training, hw: Hardware, rec: "Recommendation") -> str:
+    """For a bf16 request on CPU ranks that emulate bf16: that sentence, with the best fp32 layout's
+    predicted step next to the best bf16 one's (for %dist_plan's text and the picker); else ""."""
+    from dataclasses import replace
+
+    emulated = hw.emulated_bf16() if t.precision == "bf16" else ""
+    if not emulated or rec.best is None:
+        return ""
+    fp32 = recommend(m, replace(t, precision="fp32"), hw, advise=False).best
+    if fp32 is None:
+        return ""
+    return (f"{emulated}; with --precision fp32 the best choice's step is predicted at {fp32.step_s * 1e3:.0f} ms, "
+            f"against {rec.best.step_s * 1e3:.0f} ms")
+
+
 def runnable_choices(rec: "Recommendation", t: Training) -> list:
     """The fitting layouts nbtool can run as they are, best first (their options validate)."""
     from ..spec import SpecError, validate
