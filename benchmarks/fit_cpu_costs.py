@@ -14,7 +14,8 @@ measured time holds its bubble: it is taken out as the planner adds it back
 (compute x bubble). Prints the constants in cpu_costs' form and the in-sample
 errors; ``--check`` prints the errors of the fitted model on another dump
 (out of sample). Then SYNC_WAIT: per tp and pp, the median over its runs of
-(exposed comm measured - the planner's link time) / the planner's compute.
+(exposed comm measured - the planner's link time) / the planner's compute;
+and S_PER_SP_COLLECTIVE from the tp --sp runs (kept out of the fit above).
 
 ``--links``: the in-training collective table (cpu_costs.COLLECTIVES) from
 the runs ``--save`` wrote. Per run, op and size: each step's mean time of the
@@ -44,8 +45,8 @@ def _row(run: str) -> str:
 def _points(path: str, all_runs: bool) -> list[dict]:
     out = []
     for d in json.load(open(path)):
-        if not all_runs and not d.get("median", True):
-            continue
+        if (not all_runs and not d.get("median", True)) or d.get("sp_collectives"):
+            continue  # sequence parallelism's own host term is fitted apart (sp_host)
         bubble = d["pred_bubble_s"] / d["pred_compute_s"] if d["pred_compute_s"] else 0.0
         out.append({"key": f"{d['shape']} {d['run']}", "row": _row(d["run"]), "half": "bf16" in d["run"],
                     "gflop": 6 * d["params"] * d["tokens"] / (d["tp"] * d["pp"]) / 1e9,
@@ -73,6 +74,21 @@ def sync_wait(paths: list[str]) -> dict:
                 link = d["pred_exposed_s"] - d.get("pred_wait_s", 0.0)
                 out.setdefault(d["run"], []).append((d["exposed_s"] - link) / d["pred_compute_s"])
     return {row: statistics.median(v) for row, v in out.items()}
+
+
+def sp_host(paths: list[str]) -> float | None:
+    """cpu_costs.S_PER_SP_COLLECTIVE: the median over tp --sp runs of their measured time outside
+    communication less the planner's without that term, over host_speed x their gathers and scatters."""
+    from nbtool.plan.cpu_costs import S_PER_SP_COLLECTIVE
+
+    out = []
+    for path in paths:
+        for d in json.load(open(path)):
+            if n := d.get("sp_collectives"):
+                speed = d.get("host_speed") or 1.0
+                rest = d["pred_compute_s"] - S_PER_SP_COLLECTIVE * speed * n
+                out.append((d["compute_s"] - rest) / (speed * n))
+    return statistics.median(out) if out else None
 
 
 def errors(points: list[dict], per_gflop: tuple, per_tensor: dict) -> list[tuple[str, float]]:
@@ -194,6 +210,8 @@ def main() -> None:
         report("out of sample", errors(_points(a.check, a.all_runs), per_gflop, per_tensor))
     waits = sync_wait(a.dump.split(","))
     print("SYNC_WAIT = {" + ", ".join(f'"{row}": {v:.2f}' for row, v in waits.items()) + "}")
+    if (sp := sp_host(a.dump.split(","))) is not None:
+        print(f"S_PER_SP_COLLECTIVE = {sp * 1e3:.2f}e-3")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,8 @@
 
 For four model shapes (the tutorial model, one wide and shallow, one narrow
 and deep, and a Hugging Face Llama with grouped-query attention; ``--shapes``
-also takes ``gpt2``, a Hugging Face GPT-2) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp and pp:
+also takes ``gpt2``, a Hugging Face GPT-2) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp, tp --sp
+and pp:
 the cell runs plain (times) and with ``--memory-timeline`` (peak tensor
 bytes: torch.profiler's tracked tensors, or the allocator's total where torch
 cannot categorise the run), ``--repeat`` times each, the strategies
@@ -50,7 +51,7 @@ SHAPES = {  # the model each shape builds (on every rank, from its config: nothi
             "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))",
 }
 DEFAULT_SHAPES = ("tutorial", "wide", "deep", "llama")
-STRATEGIES = ("ddp", "fsdp", "fsdp --precision bf16", "zero1", "zero2", "zero3", "tp", "pp")
+STRATEGIES = ("ddp", "fsdp", "fsdp --precision bf16", "zero1", "zero2", "zero3", "tp", "tp --sp", "pp")
 CELL = """%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -120,7 +121,7 @@ def main() -> None:
         for i in range(a.repeat):
             for line in chosen:
                 for timeline in (False, True):
-                    name = f"{shape}_{line.replace(' --precision ', '-')}_{i}_{'timeline' if timeline else 'plain'}.json"
+                    name = f"{shape}_{line.replace(' --precision ', '-').replace(' --', '-')}_{i}_{'timeline' if timeline else 'plain'}.json"
                     if a.load:
                         run = load(os.path.join(a.load, name))
                     else:
@@ -172,6 +173,8 @@ def main() -> None:
                                "pred_comm_s": e.comm_s, "pred_exposed_s": e.exposed_comm_s,
                                "pred_bubble_s": e.bubble_s, "pred_step_s": e.step_s,
                                "pred_wait_s": sum(c.wait_s for c in e.comms),
+                               "sp_collectives": sum(c.count for c in e.comms if c.op in ("all_gather", "reduce_scatter"))
+                               if "--sp" in line else 0,
                                "host_speed": hw.host_speed})
             if max(map(abs, singles)) > worst["single"]:
                 worst["single"], where["single"] = max(map(abs, singles)), f"{shape} {line}"

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -403,7 +404,7 @@ def test_in_compute_collectives_wait_for_the_other_rank_on_cpu_ranks_only():
     numels = (128,) * 38 + (16384,) * 16 + (65536,) * 8
     m = ModelShape(sum(numels), layers=4, hidden=128, heads=4, vocab=256, seq=32, numels=numels)
     t = Training(micro_batch=8, seq=32, precision="fp32", grad_accum=4)
-    for layout, sizes, op in (("tp", {"tp": 2}, "all_reduce"), ("pp", {"pp": 2}, P2P)):
+    for layout, sizes, op in (("tp", {"tp": 2, "sp": False}, "all_reduce"), ("pp", {"pp": 2}, P2P)):
         e = estimate(layout, m, t, cpu, **sizes)
         link = sum(cpu.collective_s(c.link or c.op, c.group, c.count, c.bus_bytes, fallback=c.op) for c in e.comms)
         assert sum(c.wait_s for c in e.comms) == pytest.approx(SYNC_WAIT[layout] * e.compute_s)
@@ -415,6 +416,35 @@ def test_in_compute_collectives_wait_for_the_other_rank_on_cpu_ranks_only():
         gpu = estimate(layout, m, t, HARDWARE_PRESETS["8x H100-80GB NVLink"], **sizes)
         assert all(c.wait_s == 0 for c in gpu.comms)
     assert all(c.wait_s == 0 for c in estimate("fsdp", m, t, cpu).comms + estimate("ddp", m, t, cpu).comms)
+
+
+def test_sequence_parallelism_gathers_and_scatters_what_tp_all_reduces():
+    """Under --sp each of tp's all-reduces becomes a reduce-scatter and an all-gather (4 of each a layer
+    a micro-batch, the same bus bytes), plus two all-gathers (the first block's input gradient, the
+    last block's output) and one fp32 all-reduce a step of the norms' partial gradients: the recorder's
+    bytes exactly on 4 shapes (they had been 2-11% short, counted as tp's all-reduces). On CPU ranks
+    they carry DTensor's host work per collective and no SYNC_WAIT (their links' fit holds the wait)."""
+    from nbtool.plan.cpu_costs import S_PER_SP_COLLECTIVE
+
+    cpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    numels = (128,) * 38 + (16384,) * 16 + (65536,) * 8
+    L, h, s, b, accum = 4, 128, 32, 8, 3
+    t = Training(micro_batch=b, seq=s, precision="fp32", grad_accum=accum)
+    act = s * b * h * 4 / 2  # one fp32 s*b*h activation's bus bytes over 2 ranks
+    for gated, norm in ((None, 2 * h), (344, h)):  # LayerNorm: weight and bias; RMSNorm: weight
+        m = ModelShape(sum(numels), layers=L, hidden=h, heads=4, vocab=256, seq=s, numels=numels, gated_mlp=gated)
+        tp = estimate("tp", m, t, cpu, tp=2, sp=False)
+        sp = estimate("tp", m, t, cpu, tp=2)
+        ops = {c.op: (c.count, c.bus_bytes) for c in sp.comms if c.group == 2}
+        assert ops == {"all_gather": ((4 * L + 2) * accum, (4 * L + 2) * accum * act),
+                       "reduce_scatter": (4 * L * accum, 4 * L * accum * act),
+                       "all_reduce": (1, 2 * L * norm * 4 * 2 / 2)}
+        assert [(c.op, c.count) for c in tp.comms if c.group == 2] == [("all_reduce", 4 * L * accum)]
+        assert sp.comm_bus_bytes == pytest.approx(tp.comm_bus_bytes + 2 * accum * act + 2 * L * norm * 4)
+        assert all(c.wait_s == 0 for c in sp.comms) and any(c.wait_s > 0 for c in tp.comms)
+        assert sp.compute_s - tp.compute_s == pytest.approx(S_PER_SP_COLLECTIVE * (8 * L + 2) * accum)
+        gpu = HARDWARE_PRESETS["8x H100-80GB NVLink"]
+        assert estimate("tp", m, t, gpu, tp=2).compute_s == estimate("tp", m, t, gpu, tp=2, sp=False).compute_s
 
 
 def test_calibration_fits_an_op_its_run_timed_in_enough_sizes():
@@ -520,8 +550,21 @@ def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parall
     weights = 2 * (10**6 - 256 * 128) / 2
     with_sp = estimate("tp", m, t, hw, tp=2).device["activations"]
     without = estimate("tp", m, t, hw, tp=2, sp=False).device["activations"]
-    assert with_sp == pytest.approx(4 * sbh * ((30 + 8) / 2 + 4) + head + weights)
-    assert without == pytest.approx(4 * sbh * (10 + 24 / 2 + 8) + head + weights)
+    final_norm = sbh * (4 + 2)  # the final LayerNorm's fp32 input, its output cast for the head
+    assert with_sp == pytest.approx(4 * sbh * ((30 + 8) / 2 + 4) + head + weights + final_norm)
+    assert without == pytest.approx(4 * sbh * (10 + 24 / 2 + 8) + head + weights + final_norm)
+    # fp32 without dropout (the tutorial model, GPT-2 at p=0): what autograd held as backward started,
+    # listed allocation by allocation on CPU ranks at tp=2: 40 s b h a layer, 36 with sp, and the
+    # final LayerNorm's input and output (8 s b h; its input gathered under sp); no 1-byte masks
+    t = Training(micro_batch=8, seq=32, precision="fp32")
+    plain = replace(m, dropout=False)
+    assert estimate("tp", plain, t, hw, tp=2, sp=False).device["activations"] == 4 * 40 * sbh + 8 * sbh + head
+    assert estimate("tp", plain, t, hw, tp=2).device["activations"] == 4 * 36 * sbh + 8 * sbh + head
+    # with dropout each layer saves two masks of 1 byte an element whatever the precision (split by sp)
+    assert (estimate("tp", m, t, hw, tp=2, sp=False).device["activations"]
+            - estimate("tp", plain, t, hw, tp=2, sp=False).device["activations"]) == 4 * 2 * sbh
+    assert (estimate("tp", m, t, hw, tp=2).device["activations"]
+            - estimate("tp", plain, t, hw, tp=2).device["activations"]) == 4 * 2 * sbh / 2
 
 
 def _tutorial_runs(ip, lines) -> dict:

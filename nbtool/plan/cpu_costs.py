@@ -77,6 +77,13 @@ COLLECTIVES = {
 # where the ranks meet anyway, and the table's fit already holds their wait.
 SYNC_WAIT = {"tp": 0.27, "pp": 0.18}
 
+# Sequence parallelism's host work per all-gather or reduce-scatter (DTensor's redistribute: dispatch,
+# the gathered output's cat, the shard's copy), seconds at host_speed 1: tp --sp's time outside
+# communication less tp's, over host_speed x those collectives, in one plan_accuracy run of 4 shapes
+# (tutorial, wide, deep, GPT-2: 0.35-0.91 ms; the median). Its all-gathers and reduce-scatters wait for
+# the other rank no more than FSDP's, on whose runs the table above was fitted: no SYNC_WAIT for them.
+S_PER_SP_COLLECTIVE = 0.60e-3
+
 
 def _row(layout: Layout, precision: str) -> str:
     """The S_PER_TENSOR row for ``layout``; unmeasured layouts take their nearest (tp x pp: tp's;

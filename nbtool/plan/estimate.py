@@ -30,7 +30,13 @@ Sources, per figure:
   s b h (10 + 24/t + 5 a s / (h t)) with t-way tensor parallelism;
   s b h (34 + 5 a s / h) / t with sequence parallelism too; selective
   recomputation drops the 5 a s / h term; full recomputation keeps only each
-  layer's input, 2 s b h (/ t with SP). With fused attention (FlashAttention,
+  layer's input, 2 s b h (/ t with SP). Counted with the element width
+  (2 bytes, 4 in fp32) where Korthikanti counts 16-bit values, and the two
+  1-byte dropout masks a layer only where the model has dropout (the
+  tutorial model and GPT-2 at p = 0 have none: fp32, tp=2, 40 s b h a layer
+  measured, 36 with SP, as now counted; the masks doubled as fp32 had put
+  them 4 over); the final norm's input and output (the head's input) are
+  counted once. With fused attention (FlashAttention,
   torch SDPA; ``Training.fused_attention``, the default) no s x s scores are
   saved, so the 5 a s / h term drops out as with selective recomputation.
   A Llama-style decoder (a gated MLP I wide, RMSNorms, grouped-query k and
@@ -45,7 +51,7 @@ Sources, per figure:
   backward starts: the loss's fp32 log-softmax output, saved, and
   backward's first two gradients (nll's, log-softmax's; measured on CPU
   ranks and an H200), whole on every tp rank (nbtool's tp keeps the head
-  replicated). fp32 training doubles activations. Mixed precision by
+  replicated). fp32 training doubles the 16-bit values. Mixed precision by
   torch.autocast over fp32 weights (ddp, tp, pp) saves more than the pure
   16-bit count: a 16-bit copy of every matmul weight (2 bytes x all but the
   token embedding), both norms' fp32 inputs (+4 s b h a layer) and one copy
@@ -75,7 +81,11 @@ Sources, per figure:
   backward), the smaller ones (whole on every rank) once after the step
   (counted when the model's tensor sizes are known); tensor
   parallelism 4 all-reduces of s b h per layer per micro-batch (Megatron; in
-  the activations' dtype);
+  the activations' dtype); with sequence parallelism each becomes a
+  reduce-scatter and an all-gather (the same bus bytes), plus 2 all-gathers
+  of s b h per micro-batch (the first block's input gradient, the last
+  block's output for the whole-sequence head) and one fp32 all-reduce a step
+  of the norms' partial gradients (measured: the recorder's bytes exactly);
   pipelines 2 sends of s b h per micro-batch per stage boundary (16-bit, or
   fp32 without mixed precision).
 - collectives per step, per op (``Estimate.comms``; each pays alpha once),
@@ -100,7 +110,10 @@ Sources, per figure:
   tensor), and no communication is hidden: gloo shares the cores; the
   collectives inside forward and backward (tp's all-reduces, pp's sends and
   receives) also wait for the other rank's host jitter, a measured fraction
-  of the compute between them (``cpu_costs.SYNC_WAIT``).
+  of the compute between them (``cpu_costs.SYNC_WAIT``); sequence
+  parallelism's gathers and scatters cost their links' time (fitted on
+  FSDP's, in training) and DTensor's host work per collective
+  (``cpu_costs.S_PER_SP_COLLECTIVE``).
 """
 from __future__ import annotations
 
@@ -274,25 +287,35 @@ def _act_per_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool
         return s * b * h * _gated_layer(m, t, tp, sp, autocast, 0 if t.checkpointing == "selective" else a)
     if t.checkpointing == "full":
         out = 2 * s * b * h / (tp if sp else 1)
-    elif sp:
-        # DTensor's sequence parallelism all-gathers the inputs of q/k/v and of the MLP's first matrix and
-        # autograd keeps them gathered (2 s b h each in 16 bits, whole on every tp rank; measured)
-        out = s * b * h * ((30 + (0 if t.checkpointing == "selective" else 5 * a * s / h)) / tp + 4)
-    elif tp > 1:
-        out = s * b * h * (10 + 24 / tp + (0 if t.checkpointing == "selective" else 5 * a * s / (h * tp)))
-    else:
-        out = s * b * h * (34 + (0 if t.checkpointing == "selective" else 5 * a * s / h))
-    if t.checkpointing != "full":  # an activation function's own extra tensors, 4h wide, split by tp
-        out += s * b * h * 8 * m.mlp_extra / tp
+        return 2 * out if t.precision == "fp32" else out
+    out = s * b * h * _gpt_layer(m, t, tp, sp, 0 if t.checkpointing == "selective" else a)
     if t.precision == "fp32":
-        return 2 * out
-    if autocast and t.checkpointing != "full":
+        return out
+    if autocast:
         # torch.autocast over fp32 weights keeps the residual stream in fp32: both norms save a 4-byte
         # input (+2 s b h each), and each of separate q, k, v projections casts its own 16-bit copy of
         # the norm's output (+4 s b h; one copy when q, k, v are one fused matrix). Measured per layer
         # on CPU ranks: 40 s b h, against 32 for the same model in pure bf16
         out += s * b * h * (4 + (0 if _fused_qkv(m) else 4)) / (tp if sp else 1)
     return out
+
+
+def _gpt_layer(m: ModelShape, t: Training, tp: int, sp: bool, a: int) -> float:
+    """Bytes per s b h that one GPT-style layer (LayerNorms, a 4h MLP) saves for backward:
+    Korthikanti's count with the element width w (2 bytes, fp32 4) where it counts 16-bit values and a
+    dropout mask 1 byte whatever the precision, only where the model has dropout. Whole on every tp
+    rank: both LayerNorms' inputs (2 w, split under sequence parallelism), the inputs of qkv and of the
+    MLP's first matrix (2 w; gathered under sequence parallelism) and the two residual dropout masks
+    (2, split under sequence parallelism); split by tp: q, k, v and the output projection's input
+    (4 w), the MLP's GeLU input and output (8 w), an activation function's own extra 4h-wide tensors
+    (4 w each), and unfused attention's scores: softmax output (w) and its dropout's mask and output
+    (1 + w), a s / h each. Measured on CPU ranks in fp32 without dropout, tp=2: 40 s b h, sp: 36."""
+    w = 4 if t.precision == "fp32" else 2
+    masks = 2 if m.dropout else 0
+    split = 12 * w + 4 * w * m.mlp_extra + (w + (1 + w if m.dropout else 0)) * a * (t.seq or m.seq) / m.hidden
+    if sp:
+        return (2 * w + masks + split) / tp + 2 * w
+    return 4 * w + masks + split / tp
 
 
 def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, a: int) -> float:
@@ -345,10 +368,14 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     # tp rank (nbtool's tp keeps the head replicated: measured, the full s b V on each)
     head = s * b * (m.vocab or 0) * 12
     out = m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
+    fp32 = t.precision == "fp32"
     if m.gated_mlp and t.checkpointing != "full" and pp == 1:
         # the final RMSNorm (as a layer's) and the head's input (16-bit under autocast), whole on every tp rank
-        fp32 = t.precision == "fp32"
         out += s * b * m.hidden * ((8 if fp32 or cast else 6) + (4 if fp32 else 2))
+    elif t.checkpointing != "full" and pp == 1:
+        # the final LayerNorm's input (fp32 under autocast; gathered under sequence parallelism) and its
+        # output, the head's input (16-bit under autocast), whole on every tp rank
+        out += s * b * m.hidden * ((4 if fp32 or cast else 2) + (4 if fp32 else 2))
     if cast and t.checkpointing != "full":
         # autocast's cached 16-bit weights, saved for backward: every matmul weight (all but the
         # token embedding) in 2 bytes (full recomputation saves only each layer's input)
@@ -413,13 +440,36 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             # and then adds it to .grad: one (the largest) more in backward, at the stage's peak
             e.device["buffers"] = 4 * largest / tp
         bus_dp = 2 * frac * shard * 4
-        # CPU ranks: the in-compute collectives' wait for the other rank, on the first of them counted
-        wait = cpu_costs.sync_wait_s(layout, e.compute_s) if cpu else 0.0
-        if tp > 1 and m.hidden:  # activation traffic needs the model's width
+        tp_comm = tp > 1 and m.hidden  # activation traffic needs the model's width
+        if tp_comm:
             s, b, h = seq, t.micro_batch, m.hidden
             layers_here = (m.layers or 1) / pp
-            bus_tp = 4 * layers_here * 2 * (tp - 1) / tp * s * b * h * (2 if mixed else 4) * t.grad_accum
-            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, bus_tp, wait_s=wait)
+            per_op = (tp - 1) / tp * s * b * h * (2 if mixed else 4)  # one s*b*h activation's bus bytes
+            # sequence parallelism: each of tp's all-reduces becomes a reduce-scatter and an all-gather
+            # (forward and backward: 4 of each a layer, the same bus bytes), and the first block's input
+            # gradient and the last block's output (the head's input) are gathered too, on the stage
+            # holding them (rank 0's: the first's, or both without pp); measured on CPU ranks
+            gathers = (4 * layers_here + (2 if pp == 1 else 1)) * t.grad_accum
+            scatters = 4 * layers_here * t.grad_accum
+            if cpu and sp:  # DTensor's redistribute per gather / scatter: host work (nbtool.plan.cpu_costs)
+                e.compute_s += hw.host_speed * cpu_costs.S_PER_SP_COLLECTIVE * (gathers + scatters)
+        # CPU ranks: the in-compute collectives' wait for the other rank, on the first of them counted
+        # (not under sequence parallelism: its gathers and scatters cost what the links, fitted on FSDP's
+        # in training, give: measured within -20..+12% each on 4 shapes, where SYNC_WAIT put them 2x over)
+        wait = cpu_costs.sync_wait_s(layout, e.compute_s) if cpu and not (tp_comm and sp) else 0.0
+        if tp_comm and sp:
+            e.add_comm(hw, "all_gather", tp, gathers, gathers * per_op)
+            e.add_comm(hw, "reduce_scatter", tp, scatters, scatters * per_op)
+            # the sequence-parallel norms' gradients, partial on each tp rank: one fp32 all-reduce a step
+            # (LayerNorm's weight and bias, RMSNorm's weight; two norms a layer)
+            norms = 2 * layers_here * h * (1 if m.gated_mlp else 2)
+            e.add_comm(hw, "all_reduce", tp, 1, 2 * (tp - 1) / tp * 4 * norms)
+            wait = 0.0
+            e.notes.append(f"tensor parallel {tp} with sequence parallelism: 4 all-gathers and 4 reduce-scatters "
+                           "of s*b*h per layer per micro-batch (not hidden)")
+        elif tp_comm:
+            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, 2 * 4 * layers_here * per_op * t.grad_accum,
+                       wait_s=wait)
             wait = 0.0
             e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
         if pp > 1:

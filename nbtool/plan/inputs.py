@@ -56,6 +56,9 @@ class ModelShape:
     # 4h-wide tensors a GPT MLP's activation saves beyond GeLU's input: Hugging Face's NewGELUActivation
     # (GPT-2's gelu_new, tanh written as elementwise ops) keeps its tanh, 0.5 x and 1 + tanh too
     mlp_extra: int = 0
+    # dropout layers with p > 0 (counted modules; Korthikanti's GPT count assumes them): each saves a
+    # 1-byte mask for backward (GPT's two per layer)
+    dropout: bool = True
 
     @classmethod
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
@@ -110,10 +113,11 @@ class ModelShape:
         gated = next((m.up_proj.out_features for m in module.modules()
                       if hasattr(m, "gate_proj") and isinstance(getattr(m, "up_proj", None), nn.Linear)), None)
         python_gelu = any(type(m).__name__ == "NewGELUActivation" for m in module.modules())
+        dropout = any(isinstance(m, nn.Dropout) and m.p > 0 for m in module.modules())
         shape = cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
                     emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
                     numels=numels, name=name or type(module).__name__, gated_mlp=gated,
-                    mlp_extra=3 if python_gelu else 0)
+                    mlp_extra=3 if python_gelu else 0, dropout=dropout)
         config = getattr(module, "config", None)  # Hugging Face's and nanoGPT's models carry their shape
         if config is None:
             return shape
@@ -145,7 +149,8 @@ MODEL_PRESETS = {
 
 
 # what a run records of its model's structure for the planner (nbtool.rank.strategies; nbtool.plan.versus)
-RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads", "mlp_extra")
+RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads", "mlp_extra",
+                  "dropout")
 
 
 @dataclass(frozen=True)

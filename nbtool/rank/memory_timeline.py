@@ -105,7 +105,7 @@ def _allocator_totals(prof, device) -> tuple[list, list]:
     measured peak by up to their size from one identical run to the next. Frees the profiler did
     not see: ``_free_times``.
     """
-    allocs, freed = _free_times(prof, device)
+    allocs, freed, _ = _free_times(prof, device)
     steps = []  # (ns, bytes allocated or freed)
     for e in allocs:
         size = e.extra_fields.alloc_size
@@ -121,8 +121,9 @@ def _allocator_totals(prof, device) -> tuple[list, list]:
     return times, rows
 
 
-def _free_times(prof, device) -> tuple[list, dict]:
-    """(the allocations on ``device`` while recording, id(allocation) -> ns when it was freed).
+def _free_times(prof, device) -> tuple[list, dict, list]:
+    """(the allocations on ``device`` while recording, id(allocation) -> ns when it was freed, [(ns, bytes)
+    of each free of a block allocated before recording]).
 
     The profiler records no free made on a thread it does not follow, and the backend's worker lets
     go of what a collective or a send held once the work is done: gloo's copies made inside a
@@ -166,7 +167,7 @@ def _free_times(prof, device) -> tuple[list, dict]:
     functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
                   and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
     alive = _python_tensor_addresses() if sent or functional or sharding else frozenset()  # walks every object
-    allocs, freed, unseen, live = [], {}, {}, {}  # live: address -> its allocation not yet freed
+    allocs, freed, unseen, live, earlier = [], {}, {}, {}, []  # live: address -> its allocation not yet freed
     results, last_read = {}, {}  # read after the collective: (address, allocation id) -> id(allocation)
     for e in events:
         f = e.extra_fields
@@ -186,6 +187,8 @@ def _free_times(prof, device) -> tuple[list, dict]:
                 results[key] = id(e)
         elif f.ptr in live:
             freed[id(live.pop(f.ptr))] = e.start_time_ns
+        else:
+            earlier.append((e.start_time_ns, -f.alloc_size))
     if results:  # a collective's result: taken as freed when the last op reading it ended,
         # before its address was handed out again (the profiler, blind to the free, gives the next
         # tensor there the same allocation id)
@@ -199,7 +202,7 @@ def _free_times(prof, device) -> tuple[list, dict]:
         taken = [t for t in (unseen.get(id(e)), last_read.get(id(e))) if t is not None]
         if id(e) not in freed and taken:
             freed[id(e)] = min(taken)
-    return allocs, freed
+    return allocs, freed, earlier
 
 
 def _python_tensor_addresses() -> frozenset:
@@ -227,15 +230,35 @@ def _tensors(inputs):
 
 def _with_unseen_frees(timeline: tuple, prof, device) -> tuple:
     """torch's categorised timeline plus a DESTROY for each tensor whose free it did not see
-    (``_free_times``), at the time taken for it."""
+    (``_free_times``), at the time taken for it; less the blocks allocated before the cell that no op
+    of the cell used and that it saw freed. torch counts those ("unknown") from the cell's start to
+    their free: the previous cell's model and optimizer state, let go when the cell rebinds their names
+    or the garbage collector gets to them, had put a ddp run's peak at 5x its steps' (82 MiB, 69 of
+    them a previous cell's, freed during step 1). Tensors from before that the cell uses (a model
+    built in an earlier cell) stay: torch knows them as tensors."""
+    from collections import Counter
+
     from torch.profiler._memory_profiler import Action, TensorKey
 
+    allocs, freed, earlier = _free_times(prof, device)
+    frees, sizes = Counter(earlier), Counter(size for _, size in earlier)
+    kept = []
+    for entry in timeline:
+        t, action, (key, _), size = entry
+        if not isinstance(key, TensorKey):
+            # each such free: torch's DESTROY, and its PREEXISTING entry counting the block from the start
+            done = frees if action == Action.DESTROY else sizes if action == Action.PREEXISTING else None
+            pick = (t, size) if action == Action.DESTROY else size
+            if done is not None and done[pick] > 0:
+                done[pick] -= 1
+                continue
+        kept.append(entry)
+    timeline = tuple(kept)
     versions, destroyed = {}, set()
     for _, action, (key, version), _ in timeline:
         if action == Action.DESTROY:
             destroyed.add(key)
         versions[key] = max(versions.get(key, 0), version + (action == Action.INCREMENT_VERSION))
-    allocs, freed = _free_times(prof, device)
     extra = []
     for e in allocs:
         key = TensorKey.from_allocation(e.extra_fields)
