@@ -565,6 +565,17 @@ def test_tensor_parallel_activations_follow_whether_the_run_used_sequence_parall
             - estimate("tp", plain, t, hw, tp=2, sp=False).device["activations"]) == 4 * 2 * sbh
     assert (estimate("tp", m, t, hw, tp=2).device["activations"]
             - estimate("tp", plain, t, hw, tp=2).device["activations"]) == 4 * 2 * sbh / 2
+    # GPT-2's k and v, copied into Hugging Face's cache in training too (config.use_cache, its default),
+    # saved by SDPA beside the fused qkv output its q views: 2 x 4 bytes s b h a layer, split by tp
+    from transformers import GPT2Config
+
+    config = GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size=256, n_positions=32, resid_pdrop=0.0,
+                        embd_pdrop=0.0, attn_pdrop=0.0)
+    cached = ModelShape.from_config(config, seq=32)
+    assert cached.cache_kv and not cached.dropout and cached.mlp_extra == 3
+    uncached = ModelShape.from_config(GPT2Config(**{**config.to_dict(), "use_cache": False}), seq=32)
+    assert not uncached.cache_kv
+    assert (activations(cached, t, tp=2, sp=False) - activations(uncached, t, tp=2, sp=False)) == 4 * 2 * 4 * sbh / 2
 
 
 def _tutorial_runs(ip, lines) -> dict:

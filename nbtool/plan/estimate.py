@@ -308,11 +308,15 @@ def _gpt_layer(m: ModelShape, t: Training, tp: int, sp: bool, a: int) -> float:
     MLP's first matrix (2 w; gathered under sequence parallelism) and the two residual dropout masks
     (2, split under sequence parallelism); split by tp: q, k, v and the output projection's input
     (4 w), the MLP's GeLU input and output (8 w), an activation function's own extra 4h-wide tensors
-    (4 w each), and unfused attention's scores: softmax output (w) and its dropout's mask and output
-    (1 + w), a s / h each. Measured on CPU ranks in fp32 without dropout, tp=2: 40 s b h, sp: 36."""
+    (4 w each), unfused attention's scores: softmax output (w) and its dropout's mask and output
+    (1 + w), a s / h each, and where q, k and v are views of one fused output that a Hugging Face
+    cache copies k and v from (GPT-2), those copies (2 w). Measured on CPU ranks in fp32 without
+    dropout, tp=2: 40 s b h, sp: 36; GPT-2 (its cache, gelu_new) 68, as counted."""
     w = 4 if t.precision == "fp32" else 2
     masks = 2 if m.dropout else 0
     split = 12 * w + 4 * w * m.mlp_extra + (w + (1 + w if m.dropout else 0)) * a * (t.seq or m.seq) / m.hidden
+    if m.cache_kv and _fused_qkv(m):
+        split += 2 * w
     if sp:
         return (2 * w + masks + split) / tp + 2 * w
     return 4 * w + masks + split / tp

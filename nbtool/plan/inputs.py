@@ -59,6 +59,9 @@ class ModelShape:
     # dropout layers with p > 0 (counted modules; Korthikanti's GPT count assumes them): each saves a
     # 1-byte mask for backward (GPT's two per layer)
     dropout: bool = True
+    # Hugging Face's models with config.use_cache (its default) concatenate each layer's k and v into a
+    # DynamicCache in training too: copies that SDPA saves (beyond the fused qkv output its q still views)
+    cache_kv: bool = False
 
     @classmethod
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
@@ -122,7 +125,8 @@ class ModelShape:
         if config is None:
             return shape
         get = lambda *keys: next((v for v in (getattr(config, k, None) for k in keys) if isinstance(v, int) and v), None)
-        return replace(shape, layers=get("num_hidden_layers", "n_layer") or shape.layers,
+        return replace(shape, cache_kv=getattr(config, "use_cache", False) is True,
+                       layers=get("num_hidden_layers", "n_layer") or shape.layers,
                        hidden=get("hidden_size", "n_embd") or shape.hidden,
                        heads=get("num_attention_heads", "n_head") or shape.heads,
                        vocab=get("vocab_size") or shape.vocab, kv_heads=get("num_key_value_heads"))
@@ -150,7 +154,7 @@ MODEL_PRESETS = {
 
 # what a run records of its model's structure for the planner (nbtool.rank.strategies; nbtool.plan.versus)
 RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads", "mlp_extra",
-                  "dropout")
+                  "dropout", "cache_kv")
 
 
 @dataclass(frozen=True)
