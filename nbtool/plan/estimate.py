@@ -445,37 +445,36 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.device["buffers"] = 4 * largest / tp
         bus_dp = 2 * frac * shard * 4
         tp_comm = tp > 1 and m.hidden  # activation traffic needs the model's width
-        if tp_comm:
-            s, b, h = seq, t.micro_batch, m.hidden
-            layers_here = (m.layers or 1) / pp
-            per_op = (tp - 1) / tp * s * b * h * (2 if mixed else 4)  # one s*b*h activation's bus bytes
-            # sequence parallelism: each of tp's all-reduces becomes a reduce-scatter and an all-gather
-            # (forward and backward: 4 of each a layer, the same bus bytes), and the first block's input
-            # gradient and the last block's output (the head's input) are gathered too, on the stage
-            # holding them (rank 0's: the first's, or both without pp); measured on CPU ranks
-            gathers = (4 * layers_here + (2 if pp == 1 else 1)) * t.grad_accum
-            scatters = 4 * layers_here * t.grad_accum
-            if cpu and sp:  # DTensor's redistribute per gather / scatter: host work (nbtool.plan.cpu_costs)
-                e.compute_s += hw.host_speed * cpu_costs.S_PER_SP_COLLECTIVE * (gathers + scatters)
         # CPU ranks: the in-compute collectives' wait for the other rank, on the first of them counted
         # (not under sequence parallelism: its gathers and scatters cost what the links, fitted on FSDP's
         # in training, give: measured within -20..+12% each on 4 shapes, where SYNC_WAIT put them 2x over)
         wait = cpu_costs.sync_wait_s(layout, e.compute_s) if cpu and not (tp_comm and sp) else 0.0
-        if tp_comm and sp:
-            e.add_comm(hw, "all_gather", tp, gathers, gathers * per_op)
-            e.add_comm(hw, "reduce_scatter", tp, scatters, scatters * per_op)
-            # the sequence-parallel norms' gradients, partial on each tp rank: one fp32 all-reduce a step
-            # (LayerNorm's weight and bias, RMSNorm's weight; two norms a layer)
-            norms = 2 * layers_here * h * (1 if m.gated_mlp else 2)
-            e.add_comm(hw, "all_reduce", tp, 1, 2 * (tp - 1) / tp * 4 * norms)
+        if tp_comm:
+            s, b, h = seq, t.micro_batch, m.hidden
+            layers_here = (m.layers or 1) / pp
+            per_op = (tp - 1) / tp * s * b * h * (2 if mixed else 4)  # one s*b*h activation's bus bytes
+            if sp:
+                # each of tp's all-reduces becomes a reduce-scatter and an all-gather (forward and
+                # backward: 4 of each a layer, the same bus bytes), and the first block's input gradient
+                # and the last block's output (the head's input) are gathered too, on the stage holding
+                # them (rank 0's: the first's, or both without pp); measured on CPU ranks
+                gathers = (4 * layers_here + (2 if pp == 1 else 1)) * t.grad_accum
+                scatters = 4 * layers_here * t.grad_accum
+                if cpu:  # DTensor's redistribute per gather / scatter: host work (nbtool.plan.cpu_costs)
+                    e.compute_s += hw.host_speed * cpu_costs.S_PER_SP_COLLECTIVE * (gathers + scatters)
+                e.add_comm(hw, "all_gather", tp, gathers, gathers * per_op)
+                e.add_comm(hw, "reduce_scatter", tp, scatters, scatters * per_op)
+                # the sequence-parallel norms' gradients, partial on each tp rank: one fp32 all-reduce a
+                # step (LayerNorm's weight and bias, RMSNorm's weight; two norms a layer)
+                norms = 2 * layers_here * h * (1 if m.gated_mlp else 2)
+                e.add_comm(hw, "all_reduce", tp, 1, 2 * (tp - 1) / tp * 4 * norms)
+                e.notes.append(f"tensor parallel {tp} with sequence parallelism: 4 all-gathers and 4 "
+                               "reduce-scatters of s*b*h per layer per micro-batch (not hidden)")
+            else:
+                e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum,
+                           2 * 4 * layers_here * per_op * t.grad_accum, wait_s=wait)
+                e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
             wait = 0.0
-            e.notes.append(f"tensor parallel {tp} with sequence parallelism: 4 all-gathers and 4 reduce-scatters "
-                           "of s*b*h per layer per micro-batch (not hidden)")
-        elif tp_comm:
-            e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum, 2 * 4 * layers_here * per_op * t.grad_accum,
-                       wait_s=wait)
-            wait = 0.0
-            e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
         if pp > 1:
             s, b, h = seq, t.micro_batch, m.hidden
             micro = t.grad_accum

@@ -395,8 +395,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
     # tensor parallelism alone, every block's parts sharded (--sp refuses anything else): the planner
     # counts its collectives exactly; parts a plan leaves whole skip theirs
-    tp_bytes_exact = tp_exact and tp == run.world_size and (
-        spec_of(run).sp or not any("replicated" in note for note in run.description.details.get("notes", ())))
+    tp_bytes_exact = tp_exact and tp == run.world_size and run.description.details.get("tp_whole_parts") == 0
     # the ledger theory is exact where the planner uses it; ZeRO in mixed precision with Adam uses
     # DeepSpeed's own estimator instead (see nbtool.plan.estimate)
     ledger_based = not mesh and (not run.strategy.startswith("zero") or training.precision == "fp32"

@@ -245,14 +245,13 @@ def _with_unseen_frees(timeline: tuple, prof, device) -> tuple:
     kept = []
     for entry in timeline:
         t, action, (key, _), size = entry
-        if not isinstance(key, TensorKey):
-            # each such free: torch's DESTROY, and its PREEXISTING entry counting the block from the start
-            done = frees if action == Action.DESTROY else sizes if action == Action.PREEXISTING else None
-            pick = (t, size) if action == Action.DESTROY else size
-            if done is not None and done[pick] > 0:
-                done[pick] -= 1
-                continue
-        kept.append(entry)
+        # each such free: torch's DESTROY, and its PREEXISTING entry counting the block from the start
+        if not isinstance(key, TensorKey) and action == Action.PREEXISTING and sizes[size] > 0:
+            sizes[size] -= 1
+        elif not isinstance(key, TensorKey) and action == Action.DESTROY and frees[(t, size)] > 0:
+            frees[(t, size)] -= 1
+        else:
+            kept.append(entry)
     timeline = tuple(kept)
     versions, destroyed = {}, set()
     for _, action, (key, version), _ in timeline:

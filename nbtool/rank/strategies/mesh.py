@@ -43,6 +43,7 @@ class MeshStrategy(Strategy):
         self.stage_ids = stage_indices(self.coords["pp"], self.pp, self.virtual, self.schedule)
         self.stages_total = self.pp * self.virtual
         self.plan: dict = {}
+        self.whole_parts: list[str] = []  # block parts the tp plan leaves replicated (_check_coverage)
         self.stage_parts: list[str] = []
         self.units: list[str] = []
         self.heads: list[str] = []
@@ -138,6 +139,7 @@ class MeshStrategy(Strategy):
                 "--sp splits every block's input along the sequence, so every part of a block must be sharded "
                 f"or sequence-parallel; the default plan leaves {'; '.join(parts)}. {tp_plan.WHAT_IS_SPLIT} Pass "
                 "plan={...} to strategy.prepare for other shapes, or drop --sp")
+        self.whole_parts = list(replicated)
         if replicated:
             self.notes.append("tensor parallelism leaves these block parts replicated (not sharded; every rank "
                               f"computes them whole): {', '.join(replicated)}. {tp_plan.WHAT_IS_SPLIT}")
@@ -348,6 +350,7 @@ class MeshStrategy(Strategy):
         d["sharding"] = f"dp({self.dp}) x tp({self.tp}) x pp({self.pp})"
         if self.tp > 1 and self._plain is not None:  # what the plan leaves whole (embeddings, norms), for the planner
             d["tp_replicated_elements"] = sum(p.numel() for p in self._plain.parameters() if "tp" not in _sharded_on(p))
+            d["tp_whole_parts"] = len(self.whole_parts)  # their collectives are not issued
         c = self.coords
         d["mesh"] = (f"DeviceMesh ('pp', 'dp', 'tp') = ({self.pp}, {self.dp}, {self.tp}); this rank is "
                      f"pp {c['pp']}, dp {c['dp']}, tp {c['tp']}")
