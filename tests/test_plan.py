@@ -514,6 +514,35 @@ def test_peak_is_the_larger_of_backward_start_and_the_optimizer_step():
     assert cpu.device["buffers"] == cpu.states["grads"] + 2 * 4 * max(m.numels)
 
 
+def test_fsdp_peaks_at_backward_start_or_at_its_first_reduce_scatter():
+    """FSDP: at backward's start every activation is alive with two gathered units (three on CPU ranks:
+    gloo gathers into a flat copy); at the last block's reduce-scatter that block's activations are gone
+    and the next unit is prefetched, with the gradients in the reduction dtype (fp32), the output shard
+    and, on CPU ranks, gloo's copy of the input. In fp32 with a batch whose activations outweigh a unit,
+    backward's start is larger; in bf16 (16-bit weights and activations, fp32 reduction) the
+    reduce-scatter is (measured on the wide shape: 12 units of bf16 weights alive there)."""
+    from nbtool.plan.estimate import _act_per_layer, _block_params
+
+    m = ModelShape.from_module(TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32), seq=32)
+    unit = _block_params(m)
+    cpu, gpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"], replace(HARDWARE_PRESETS["8x H100-80GB NVLink"], devices_per_node=2)
+    fp32 = estimate("fsdp", m, Training(micro_batch=8, seq=32, precision="fp32"), cpu)
+    assert fp32.peak_phase == "backward start" and fp32.device["buffers"] == 3 * 4 * unit
+    t = Training(micro_batch=8, seq=32, precision="bf16")
+    bf16 = estimate("fsdp", m, t, cpu)
+    assert bf16.peak_phase == "first reduce-scatter", bf16.device
+    assert bf16.device["buffers"] == (2 + 4 + 4 / 2 + 4) * unit  # prefetched, fp32 input, its shard, gloo's copy
+    assert bf16.device["activations"] == (m.layers - 1) * _act_per_layer(m, t, 1, False)
+    assert "grads" not in bf16.device and _model_states(bf16) == _model_states(fp32)
+    on_gpus = estimate("fsdp", m, t, gpu)  # no gloo copies; the bf16 gradients still there while cast
+    assert on_gpus.peak_phase == "first reduce-scatter"
+    assert on_gpus.device["buffers"] == (2 + 4 + max(2, 4 / 2)) * unit
+    assert estimate("fsdp", m, Training(micro_batch=64, seq=32, precision="bf16"), cpu).peak_phase == "backward start"
+    # without resharding after forward every unit stays gathered: backward's start
+    kept = estimate("fsdp-grad-op", m, t, cpu)
+    assert kept.peak_phase == "backward start"
+
+
 def test_fused_qkv_casts_the_norm_output_once_under_autocast():
     """nanoGPT's c_attn (one 3h x h matrix) casts the norm's output once; separate q, k, v projections
     cast it three times: 4 s b h per layer apart."""

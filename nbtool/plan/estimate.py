@@ -8,12 +8,14 @@ Sources, per figure:
   gradient buckets (a second copy of the gradients unless
   ``--grad-as-bucket-view``); FSDP holds gathered units as buffers
   (2 units: the current one and the prefetched one; all of them between
-  forward and backward without resharding), at the peak: backward's start,
-  every activation alive (a unit's unsharded gradients and their
-  reduce-scatter input come as its activations go); on CPU ranks one more
-  unit in the reduction dtype: gloo's copy of a reduce-scatter input, alive
-  until the other rank joins, which a late rank leaves there as the next unit
-  gathers (the run's worst steps). For ZeRO in mixed precision,
+  forward and backward without resharding) at backward's start, every
+  activation alive; on CPU ranks one more: gloo's flat copy of the gathered
+  output. Or, where larger (bf16: its fp32 reduction does not halve), at the
+  last block's reduce-scatter, that block's activations gone: the prefetched
+  unit, the gradients cast to the reduction dtype, the output shard, and on
+  CPU ranks gloo's copy of the input. A rank that comes late to a
+  reduce-scatter keeps such copies longer: single steps on CPU ranks peak up
+  to one unit higher (seen in the timeline, not counted). For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32
@@ -182,7 +184,7 @@ class Estimate:
     # what each device owns over a step (params, grads, optimizer: the ledger's categories); ``device``
     # is what it holds at the predicted peak, which may lack some (no gradients yet at backward's start)
     states: dict = field(default_factory=dict)
-    peak_phase: str = ""  # "backward start" or "optimizer step": where ``device`` is taken
+    peak_phase: str = ""  # "backward start", "optimizer step" or "first reduce-scatter": where ``device`` is taken
 
     def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "",
                  wait_s: float = 0.0) -> float:
@@ -508,6 +510,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
         if layout.is_zero and layout.offload:
             e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
+    reduce_at = None  # FSDP's (buffers, activations) as a unit's gradients are reduce-scattered
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
         e.add_comm(hw, "all_reduce", n, math.ceil(psi * g / DDP_BUCKET), 2 * frac * psi * g * compress)
@@ -529,18 +532,20 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
         if whole:
             e.add_comm(hw, "all_reduce", n, 1, 2 * frac * g * whole)
-        # at the peak (backward's start, every activation alive) FSDP2 holds the unit being computed and
-        # the one prefetched; a unit's unsharded gradients and their reduce-scatter copy come later, as
-        # that unit's activations go (CPU ranks, once the timeline saw gloo's frees: within 8%)
+        # backward's start (every activation alive): FSDP2 holds the unit being computed and the one
+        # prefetched; gloo (CPU ranks) gathers into a flat copy of the output, alive as the prefetch runs
         if not layout.reshard:
             e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
         else:
-            e.device["buffers"] = 2 * w * unit  # the current unit and the prefetched one
-        if cpu and shard > 1:
-            # gloo reduce-scatters a copy of a unit's gradients (in the reduction dtype), alive until the
-            # other rank joins: a rank that comes late leaves it there as the next unit gathers (the
-            # run's worst steps on CPU ranks: +1 unit over a typical step's peak, seen in the timeline)
-            e.device["buffers"] += g * unit
+            e.device["buffers"] = (3 if cpu and shard > 1 else 2) * w * unit
+        if layout.reshard and m.layers and shard > 1:
+            # the last block's reduce-scatter, its activations and gathered weights gone: the next unit
+            # prefetched, its gradients cast to the reduction dtype (still there while casting), the
+            # output shard, and on CPU ranks gloo's copy of the input. The larger moment in bf16, whose
+            # weights and activations halve and the reduction's fp32 does not (measured, wide shape: 12
+            # units of bf16 weight against the 8 counted at backward's start)
+            reduce = w * unit + g * unit + max(w * unit, g * unit / shard + (g * unit if cpu else 0))
+            reduce_at = (reduce, (m.layers - 1) * _act_per_layer(m, t, 1, False) if act else 0.0)
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:
@@ -600,7 +605,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
-                    buffers_at_step=layout == DDP)
+                    buffers_at_step=layout == DDP, reduce_at=reduce_at)
     return e
 
 
@@ -629,20 +634,25 @@ def _owned(device: dict) -> dict:
     return {k: device.get(k, 0) for k in ("params", "grads", "optimizer")}
 
 
-def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool) -> None:
-    """Set ``e.device`` to the larger of two moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
+def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool,
+                reduce_at: tuple | None = None) -> None:
+    """Set ``e.device`` to the largest of these moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
     gradients set to None by zero_grad):
 
     - backward's start: every activation saved, no gradient yet (with gradient accumulation, the
       earlier micro-batches' gradients are there);
     - the optimizer step: activations gone, gradients there, the buffers only where they persist
       (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
-      a pipeline's gradient being added), and the optimizer's ``temporary`` (_adam_temporary).
+      a pipeline's gradient being added), and the optimizer's ``temporary`` (_adam_temporary);
+    - FSDP's first reduce-scatter (``reduce_at``: its buffers and the activations still saved), with
+      what backward's start holds besides.
     """
     e.states = _owned(e.device)
     start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
     step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
     if temporary:
         step["buffers"] = step.get("buffers", 0) + temporary
-    e.device, e.peak_phase = max((start, "backward start"), (step, "optimizer step"),
-                                 key=lambda d: sum(d[0].values()))
+    moments = [(start, "backward start"), (step, "optimizer step")]
+    if reduce_at:
+        moments.append(({**start, "buffers": reduce_at[0], "activations": reduce_at[1]}, "first reduce-scatter"))
+    e.device, e.peak_phase = max(moments, key=lambda d: sum(d[0].values()))
