@@ -288,8 +288,7 @@ def test_fsdp_bf16_on_a_wide_llama_peaks_at_its_first_reduce_scatter(nano):
     outweighing a layer's activations (hidden 256, batch 2 x 16), the step peaks as the last block's
     gradients are reduced (the next unit prefetched, the fp32 input, gloo's copy of it, the output
     shard), not at backward's start. The planner's typical step is within 5% of the timeline's (it was
-    14% short with backward's start alone). The median step, not the run's peak: a step in which
-    a peer comes late holds those copies longer."""
+    14% short with backward's start alone)."""
     from nbtool.plan.versus import typical_peak
 
     nano.run_cell("%%distributed fsdp --precision bf16 --memory-timeline --quiet\n"

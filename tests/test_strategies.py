@@ -439,6 +439,27 @@ def test_uncategorised_timeline_counts_the_cells_own_blocks_only():
     assert max(held) == 3 * 2**20 and min(held) >= 0 and held[-1] == 0, held
 
 
+
+def test_every_step_of_a_wide_fsdp_run_peaks_the_same(ranks):
+    """torch's profiler gives the next block at an address the same allocation id when it missed the
+    free of the one before (gloo's worker let go of it). Keyed by that id, gloo's copy of a unit's
+    reduce-scatter input took on the next block's reads and stayed counted 0.1-0.6 s past its work:
+    one step in several peaked a whole unit (6.8 MiB here) over the others, on a rank in about half
+    the runs of 8 steps. Each use is now the block last allocated there before it: every step 2..N
+    of each rank peaks the same (the planner's typical step is every step)."""
+    import nbtool
+
+    ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-wide\n"
+                   "_m = TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32)\n"
+                   "_model, _opt = strategy.prepare(_m, torch.optim.AdamW(_m.parameters()))\n"
+                   "for _x, _y in zip(range(10), strategy.dataloader(SyntheticTokens(160, seq=32, vocab=256), batch_size=8)):\n"
+                   "    strategy.backward(lm_loss(_model(_y[0]), _y[1])); _opt.step(); _opt.zero_grad()\n"
+                   "del _m, _model, _opt").raise_error()
+    by_step = run_analysis.step_peaks(nbtool.last_run())
+    for rank, peaks in by_step.items():
+        assert sorted(peaks) == list(range(2, 11)), peaks
+        assert max(peaks.values()) - min(peaks.values()) < 2**19, (rank, peaks)  # a unit is 6.8 MiB
+
 def test_categorised_timeline_leaves_out_what_the_cell_only_frees_from_before():
     """torch's categorised timeline counts a block allocated before recording and freed during it
     ("unknown") from the start: the previous cell's model, let go when the collector got to it in
@@ -494,9 +515,7 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
     output, its copy-out) ended, what each rank's timeline holds after 16 steps is the ledger's
     model states (sharded weights and Adam) and a few bytes (8 here: an index tensor). Before the
     all-gather outputs were recognised, 19-260 kB of them stayed counted, as many as happened not to
-    have their address handed out again: a different figure each run. Per-step peaks are not
-    compared: a reduce-scatter waited late really holds its buffers for a while, the more so under
-    load."""
+    have their address handed out again: a different figure each run."""
     import nbtool
 
     ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-flat\n"
@@ -511,8 +530,8 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
         assert sorted(by_step[t.rank]) == list(range(2, 17))
         # every step gathers and computes above what it keeps, and none passes the run's peak
         assert all(kept < p <= max(t.totals()) for p in by_step[t.rank].values()), (by_step[t.rank], kept)
-    # the table names a one-step transient: the same run with its busiest rank's highest step raised
-    # 30% above the run's peak (where a late reduce-scatter would put it) is judged on that peak, and
+    # the table names a step that held more: the same run with its busiest rank's highest step raised
+    # 30% above the run's peak is judged on that peak, and
     # the note gives the typical step (the median), which raising a step already above it leaves alone
     import copy
 

@@ -13,9 +13,7 @@ Sources, per figure:
   output. Or, where larger (bf16: its fp32 reduction does not halve), at the
   last block's reduce-scatter, that block's activations gone: the prefetched
   unit, the gradients cast to the reduction dtype, the output shard, and on
-  CPU ranks gloo's copy of the input. A rank that comes late to a
-  reduce-scatter keeps such copies longer: single steps on CPU ranks peak up
-  to one unit higher (seen in the timeline, not counted). For ZeRO in mixed precision,
+  CPU ranks gloo's copy of the input. For ZeRO in mixed precision,
   DeepSpeed's own estimators (``estimate_zero2_model_states_mem_needs``,
   ``estimate_zero3_model_states_mem_needs``): 2 bytes of 16-bit parameters
   (partitioned in stage 3) plus 18 bytes per parameter / N (16-bit and fp32

@@ -429,7 +429,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
         step = run_analysis.peak_step(run)
         where = ("before the first optimizer step ended (the set-up: the model built and wrapped, the "
                  "optimizer's state created)" if step == 1 else
-                 f"in step {step}, which held more for a while (a collective waited late keeps its buffers)"
+                 f"in step {step}, which held more than the others"
                  if step else "after the last optimizer step")
         notes.append(f"a typical step peaks at {format_bytes(typical)} of tracked tensors (median of steps 2..N, "
                      f"predicted {_percent((e.device_total - typical) / typical)}); the run's peak came {where}, "

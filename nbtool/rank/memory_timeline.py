@@ -145,30 +145,48 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
       each run; a 16-step fsdp run's end 19-260 kB of all-gather outputs);
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
+
+    Each use of a tensor is the allocation last made at its address before the use: the profiler
+    gives the next block at an address the same allocation id when it missed the free, and keyed by
+    that id a gloo copy had taken on the next block's reads (a step's peak a whole FSDP unit high,
+    7 MB on the wide shape, in one run in two; held 0.1-0.6 s past its work).
     """
+    import bisect
+
     from torch._C._profiler import _EventType
 
     every = [e for root in prof.profiler.kineto_results.experimental_event_tree() for e in _walk(root)]
     events = sorted((e for e in every if e.tag == _EventType.Allocation and e.extra_fields.device.type == device.type),
                     key=lambda e: e.start_time_ns)
+    made: dict = {}  # address -> the allocations there while recording, in time order
+    for e in events:
+        if e.extra_fields.alloc_size > 0:
+            made.setdefault(e.extra_fields.ptr, []).append(e)
+    starts = {ptr: [e.start_time_ns for e in blocks] for ptr, blocks in made.items()}
+
+    def block(t, when):  # id of the allocation a profiled tensor at ``when`` is, None if from before
+        i = bisect.bisect_right(starts.get(t.storage_data_ptr, ()), when) - 1
+        return id(made[t.storage_data_ptr][i]) if i >= 0 else None
+
     works = [e for e in every if e.tag == _EventType.TorchOp and _name(e).startswith(("gloo:", "c10d::"))]
-    used_until, uses = {}, {}  # (address, allocation id) -> when the last work using it ended, its ops
+    used_until, uses = {}, {}  # id(allocation) -> when the last work using it ended, its ops
     for w in works:
         for t in _tensors(w.extra_fields.inputs):
-            key = (t.storage_data_ptr, t.allocation_id)
-            used_until[key] = max(used_until.get(key, 0), w.end_time_ns)
-            uses.setdefault(key, set()).add(_name(w))
+            if (b := block(t, w.start_time_ns)) is not None:
+                used_until[b] = max(used_until.get(b, 0), w.end_time_ns)
+                uses.setdefault(b, set()).add(_name(w))
     # handed to the backend: sent, or only ever broadcast (DDP's start-up broadcast of a flat copy of
     # the parameters, whose last reference the source rank's gloo worker drops)
-    sent = {k for k, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
+    sent = {b for b, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     # FSDP's flat buffers; DDP's buckets, which only C++ holds and which outlive the cell, are all-reduced
-    sharding = {k for k, ops in uses.items() if all("gather" in op or "reduce_scatter" in op for op in ops)}
+    sharding = {b for b, ops in uses.items() if all("gather" in op or "reduce_scatter" in op for op in ops)}
     ends = {id(w): w.end_time_ns for w in works}
     functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
                   and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
     alive = _python_tensor_addresses() if sent or functional or sharding else frozenset()  # walks every object
+    held = {id(made[ptr][-1]) for ptr in alive if ptr in made}  # what Python holds now: the last block there
     allocs, freed, unseen, live, earlier = [], {}, {}, {}, []  # live: address -> its allocation not yet freed
-    results, last_read = {}, {}  # read after the collective: (address, allocation id) -> id(allocation)
+    results, last_read = set(), {}  # read after the collective: id(allocation), when the last read ended
     for e in events:
         f = e.extra_fields
         if f.alloc_size > 0:
@@ -177,27 +195,23 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
                 unseen[id(before)] = min(unseen.get(id(before), e.start_time_ns), e.start_time_ns)
             live[f.ptr] = e
             allocs.append(e)
-            key = (f.ptr, f.allocation_id)
             owner = _collective_of(e, ends)
             if owner is not None:
-                unseen[id(e)] = max(owner, used_until.get(key, 0))
-            elif key in sent and f.ptr not in alive:
-                unseen[id(e)] = used_until[key]
-            elif f.ptr not in alive and (key in sharding or _collective_of(e, functional) is not None):
-                results[key] = id(e)
+                unseen[id(e)] = max(owner, used_until.get(id(e), 0))
+            elif id(e) in sent and id(e) not in held:
+                unseen[id(e)] = used_until[id(e)]
+            elif id(e) not in held and (id(e) in sharding or _collective_of(e, functional) is not None):
+                results.add(id(e))
         elif f.ptr in live:
             freed[id(live.pop(f.ptr))] = e.start_time_ns
         else:
             earlier.append((e.start_time_ns, -f.alloc_size))
-    if results:  # a collective's result: taken as freed when the last op reading it ended,
-        # before its address was handed out again (the profiler, blind to the free, gives the next
-        # tensor there the same allocation id)
+    if results:  # a collective's result: taken as freed when the last op reading it ended
         for op in every:
             if op.tag == _EventType.TorchOp:
                 for t in _tensors(op.extra_fields.inputs):
-                    alloc = results.get((t.storage_data_ptr, t.allocation_id))
-                    if alloc is not None and op.start_time_ns < unseen.get(alloc, float("inf")):
-                        last_read[alloc] = max(last_read.get(alloc, 0), op.end_time_ns)
+                    if (b := block(t, op.start_time_ns)) in results:
+                        last_read[b] = max(last_read.get(b, 0), op.end_time_ns)
     for e in allocs:
         taken = [t for t in (unseen.get(id(e)), last_read.get(id(e))) if t is not None]
         if id(e) not in freed and taken:
