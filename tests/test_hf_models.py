@@ -272,15 +272,19 @@ def test_a_tensor_parallel_llamas_timeline_peak_holds_no_finished_all_reduce(nan
     """Under tp, DTensor's all-reduces clone their input into a result that gloo's worker thread may
     let go of last, where torch's profiler records no free: the timeline had counted 1-6 of those
     results still held at the peak, a different number each run (6-12% over the planner's peak). Each
-    is now taken as freed after the last op that read it: the same cell twice peaks within 1% of
-    itself and 3% of the planner's (whose tp activations equal autograd's saved bytes)."""
+    is now taken as freed after the last op that read it: the same cell twice peaks within 2% of
+    itself (one such result is 2.5%; what still differs is 8-16 KiB on one rank, 0.3%, and once
+    1.0% under the whole suite's load) and 3% of the planner's (whose tp activations equal
+    autograd's saved bytes). One more result had stayed counted in about one run in six, where the
+    profiler's repeated allocation id gave it the key of the next tensor at its address, which
+    torch's categorised timeline saw destroyed."""
     peaks = []
     for _ in range(2):
         v = _llama_timeline(nano, "tp")
         peak = v.row("peak tensor memory")
         assert abs(peak.error) < 0.03, v.text()
         peaks.append(peak.measured)
-    assert abs(peaks[0] - peaks[1]) <= 0.01 * peaks[0], peaks
+    assert abs(peaks[0] - peaks[1]) <= 0.02 * peaks[0], peaks
 
 
 def test_fsdp_bf16_on_a_wide_llama_peaks_at_its_first_reduce_scatter(nano):
