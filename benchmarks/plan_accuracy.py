@@ -26,6 +26,13 @@ against the same calibration), then:
   tensor memory (target <= 10%);
 - ``plan_time_error``: the worst step-time error of the median runs (target
   <= 25%), and next to it the worst of any single run;
+- ``aa_time_error`` (``--repeat`` >= 2): the noise floor, what an exact
+  model would miss by: each round's run of a strategy predicted from the
+  same round's calibration run, times the ratio between the two measured in
+  the other rounds (their median); the worst, the median and the count
+  within 25%; next to it ``paired_time_error``, the planner's errors on the
+  same pairs (each run calibrated on its own round's base run). Where the
+  floor passes 25%, the machine decides the time target, not the planner;
 - ``--dump F``: every run's measured and predicted terms as JSON (what
   nbtool.plan.cpu_costs was fitted on: ``benchmarks/fit_cpu_costs.py F``);
 - ``--save DIR`` / ``--load DIR``: keep every run's records, and judge them
@@ -110,6 +117,8 @@ def main() -> None:
     ip = None if a.load else cluster_shell(2)
     worst = {"states": 0.0, "bytes": 0.0, "memory": 0.0, "time": 0.0, "single": 0.0, "typical": 0.0}
     time_errors = []  # every median run's step-time error
+    aa_errors = []  # (error, where) of every run predicted from the other rounds' ratio to its base
+    paired_errors = []  # (error, where) of every run predicted by the planner from its own round's base
     costs = []  # step time with --memory-timeline / without, per run
     where = {}
     dumped = []
@@ -135,6 +144,16 @@ def main() -> None:
                     (timelines if timeline else runs)[line].append(run)
         for line in chosen:
             costs += [typical_step(t) / typical_step(r) for r, t in zip(runs[line], timelines[line])]
+        for line in chosen:  # the noise floor: each round's run predicted from its round's base with the
+            # other rounds' ratio, what a model exact on average would still miss by
+            base = ("fsdp" if a.base == "ddp" else "ddp") if line == a.base else a.base
+            ratios = [typical_step(r) / typical_step(b) for r, b in zip(runs[line], runs[base])]
+            for j, r in enumerate(ratios):
+                if len(ratios) > 1:
+                    aa_errors.append((statistics.median(ratios[:j] + ratios[j + 1:]) / r - 1, f"{shape} {line}"))
+                    # and the planner the same way: calibrated on the same round's base run
+                    paired = versus(runs[line][j], calibrate(runs[base][j]), f"run {base!r}")
+                    paired_errors.append((paired.row("step time").error, f"{shape} {line}"))
         median_time = {line: _median_run(runs[line], typical_step) for line in chosen}
         median_peak = {line: _median_run(timelines[line], lambda r: peak_tensors(r)[0] or 0) for line in chosen}
         for line in chosen:
@@ -199,6 +218,19 @@ def main() -> None:
     mags = sorted(abs(x) for x in time_errors)
     print(f"step time of the median runs: {sum(m <= 0.25 for m in mags)} of {len(mags)} within 25%, "
           f"median |error| {statistics.median(mags):.1%}")
+    if aa_errors:
+        for name, errs, what in (
+                ("aa_time_error", aa_errors, "the noise floor: each single run's step predicted from its own "
+                 "round's calibration run with the other rounds' measured ratio between the two, as an exact "
+                 "model would"),
+                ("paired_time_error", paired_errors, "the planner on the same pairs: each single run calibrated "
+                 "on its own round's run of the base")):
+            worst_e = max(errs, key=lambda e: abs(e[0]))
+            mags = sorted(abs(e) for e, _ in errs)
+            print(f"{name}={abs(worst_e[0]):.3f} (worst: {worst_e[1]}; median {statistics.median(mags):.1%}, "
+                  f"{sum(m <= 0.25 for m in mags)} of {len(mags)} within 25%): {what}")
+    else:
+        print("aa_time_error: needs --repeat >= 2 (the noise floor compares rounds)")
     print(f"memory_timeline_cost=x{statistics.median(costs):.2f} step time (spread x{min(costs):.2f}..x{max(costs):.2f};"
           " opt-in, so not part of metrics_overhead)")
 

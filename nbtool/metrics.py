@@ -316,12 +316,21 @@ class RunRecords:
         if d.get("schema") != SCHEMA_VERSION:
             raise ValueError(f"record schema {d.get('schema')} is not {SCHEMA_VERSION} (this nbtool)")
         run = cls(**{k: d[k] for k in ("name", "strategy", "world_size", "t_start", "t_end")},
-                  description=RunDescription(**d.get("description", {})))
+                  description=_record(RunDescription, d.get("description", {})))
         if run.description.dims is not None:
             run.description.dims = tuple(run.description.dims)
         for key, kind in KINDS.items():
-            getattr(run, key).extend(kind(**r) for r in d.get(key, []))
+            getattr(run, key).extend(_record(kind, r) for r in d.get(key, []))
         return run
+
+
+def _record(kind, values: dict):
+    """``kind(**values)``, or a ValueError naming the fields this nbtool's ``kind`` lacks (a file written
+    by another build under the same schema number) instead of dataclass's bare TypeError."""
+    if unknown := sorted(set(values) - {f.name for f in fields(kind)}):
+        raise ValueError(f"{kind.__name__} field(s) {', '.join(unknown)} unknown to this nbtool (schema "
+                         f"{SCHEMA_VERSION}): the file was written by another nbtool build")
+    return kind(**values)
 
 
 def export(run: RunRecords, path: str) -> None:
@@ -348,8 +357,9 @@ def load(path: str) -> RunRecords:
     with open(path, newline="") as f:
         for row in csv.DictReader(f):
             kind = KINDS[CSV_KINDS[row.pop("kind")]]
-            names = {fl.name: fl for fl in fields(kind)}
-            run.add([kind(**{k: _from_csv(v, names[k].type) for k, v in row.items() if k in names})])
+            names = {fl.name: fl for fl in fields(kind)}  # other kinds' columns are empty in this row
+            run.add([_record(kind, {k: _from_csv(v, names[k].type) if k in names else v
+                                    for k, v in row.items() if k in names or v != ""})])
     run.world_size = max((r.rank for key in KINDS for r in getattr(run, key)), default=-1) + 1
     return run
 

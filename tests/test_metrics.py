@@ -149,6 +149,25 @@ def test_export_load_round_trip(ranks, tmp_path, suffix, capsys):
         assert back.description == rec.description and back.name == "roundtrip"
 
 
+def test_load_names_fields_this_build_does_not_know(tmp_path):
+    run = RunRecords(name="r", strategy="ddp", world_size=1, t_start=0.0)
+    run.add([StepMarker(rank=0, step=1, t=1.0), ScalarRecord(rank=0, step=1, t=1.0, values={"loss": 2.0})])
+    good, bad = tmp_path / "good.json", tmp_path / "bad.json"
+    metrics.export(run, str(good))
+    d = json.loads(good.read_text())
+    assert metrics.load(str(good)).steps == run.steps
+    d["description"]["speedup_16bit"] = 2.0  # a field an older build wrote under the same schema number
+    bad.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="RunDescription field.s. speedup_16bit unknown to this nbtool"):
+        metrics.load(str(bad))
+    metrics.export(run, str(tmp_path / "run.csv"))
+    lines = (tmp_path / "run.csv").read_text().splitlines()
+    (tmp_path / "bad.csv").write_text("\n".join([lines[0] + ",lateness"] + [x + ",0.5" for x in lines[1:]]))
+    with pytest.raises(ValueError, match="field.s. lateness unknown"):
+        metrics.load(str(tmp_path / "bad.csv"))
+    assert metrics.load(str(tmp_path / "run.csv")).scalars == run.scalars
+
+
 def test_compare_runs_table(ranks, capsys, tmp_path):
     res, out, _ = run(ranks, capsys, "%%distributed compare ddp, fsdp --wrap Block, zero2 --quiet\n_fit(strategy, 3)")
     assert res.success, res.error_in_exec
