@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from collections import Counter
 import json
+import math
 
 import pytest
 from IPython.core.error import UsageError
@@ -402,6 +403,30 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert f"advice followed (from run '{line.split()[0]}')" in out and "(as predicted)" in out, out
         assert "predicted vs measured, run" in out
 
+
+
+def test_a_reduce_bucket_that_fits_the_gradients_is_advised_and_frees_what_was_predicted(ranks, capsys):
+    """DeepSpeed allocates its default reduce bucket whole (5e8 fp32 elements, 1.86 GiB) for a model of
+    a few MiB: where the run's peak was measured (--memory-timeline on CPU ranks), nbtool advises the
+    bucket that just holds every gradient; run as written, the measured peak falls to the predicted one.
+    Where the peak was not measured, nothing is advised on memory."""
+    from nbtool.plan.advice import measure
+
+    magics = ranks.magics_manager.registry["NbtoolMagics"]
+    record(ranks, "zero2")
+    assert not any(s.figure == "peak tensor memory" for s in magics.session.advice), magics.session.advice
+    record(ranks, "zero2 --memory-timeline")
+    (s,) = [s for s in magics.session.advice if s.figure == "peak tensor memory"]
+    mb = math.ceil(PSI_BYTES / 2**20)
+    assert s.line == f"zero2 --reduce-bucket-mb {mb} --memory-timeline", s
+    assert s.before > 1.8 * 2**30 and s.predicted < 0.05 * s.before, s  # the bucket was nearly all of it
+    assert "500,000,000 elements: 1.86 GiB" in s.why and "step time +0.0 ms" in s.effect, s
+    capsys.readouterr()
+    ranks.run_cell(f"%%distributed {s.line}\n_ledger = _fit(strategy, 4)").raise_error()
+    out = capsys.readouterr().out
+    after = measure(nbtool.last_run(), "peak tensor memory")
+    assert abs(after - s.predicted) <= 0.1 * s.predicted, (s.predicted, after)
+    assert "advice followed (from run 'zero2'): peak tensor memory 1.8" in out and "(as predicted)" in out, out
 
 
 def test_bf16_is_advised_back_to_fp32_where_the_cpu_emulates_it(ranks, capsys):

@@ -14,11 +14,14 @@ from dataclasses import dataclass, replace
 from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import line_of
-from .estimate import estimate
-from .versus import Versus, planner_inputs, ran_on_cpu, run_estimate, spec_of, typical_step
+from .estimate import REDUCE_BUCKET, estimate
+from .versus import (Versus, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes, run_estimate, spec_of,
+                     typical_step, zero_config)
 
 MAX_SUGGESTIONS = 3
 BUCKET_OPS = ("all_reduce",)
+# a suggestion that saves memory, not time, is made when it saves at least this share of the peak
+MEMORY_SHARE = 0.10
 
 
 @dataclass
@@ -26,7 +29,7 @@ class Suggestion:
     line: str  # what follows %%distributed
     why: str
     figure: str  # the measured figure it moves: "bus bytes / step", "collectives / step", "bubble",
-    # "exposed comm / step", "step time"
+    # "exposed comm / step", "step time", "peak tensor memory"
     before: float  # measured on the run it was made from
     predicted: float  # the planner's figure after the change
     effect: str  # the predicted effect, for people
@@ -50,6 +53,8 @@ def measure(run, figure: str) -> float | None:
         return sum(r["bubble"] for r in rows) / len(rows) if rows else None
     if figure == "step time":  # wall time, median of steps 2..N (as the table's row)
         return typical_step(run) or None
+    if figure == "peak tensor memory":  # the table's row: the CUDA allocator's, or --memory-timeline's
+        return peak_tensors(run)[0]
     raise ValueError(figure)
 
 
@@ -134,13 +139,43 @@ def suggest(run, result: Versus) -> list[Suggestion]:
                 f"{'+' if e2.device_total >= e.device_total else '-'}"
                 f"{format_bytes(abs(e2.device_total - e.device_total))}", run.name)))
     # only what the planner predicts to shorten the step (more micro-batches can cost more in sends
-    # than they save in bubble: on CPU ranks each send pays ~0.3 ms)
+    # than they save in bubble: on CPU ranks each send pays ~0.3 ms); then what saves memory at no time
     out = sorted((x for x in out if x[0] > 0), key=lambda x: -x[0])
-    return [s for _, s in out[:MAX_SUGGESTIONS]]
+    faster = [s for _, s in out[:MAX_SUGGESTIONS]]
+    return faster + _memory(run, spec, shape, training, e, hw)[:MAX_SUGGESTIONS - len(faster)]
+
+
+def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
+    """DeepSpeed allocates its reduce bucket whole (reduce_bucket_size elements, 5e8 by default: 1.86 GiB
+    in fp32) whatever the model's size; one bucket that just holds every gradient reduces as often (once)
+    and frees the rest. Made where the run's peak was measured (a GPU's allocator, --memory-timeline)."""
+    before = measure(run, "peak tensor memory")
+    if not spec.is_zero or not before:
+        return []
+    per_element = 2 if training.precision in ("bf16", "fp16") else 4
+    now = int(zero_config(run).get("reduce_bucket_size", REDUCE_BUCKET))
+    mb = math.ceil(shape.params * per_element / 2**20)  # whole MiB that hold every gradient
+    elements = int(mb * 2**20) // per_element
+    if elements >= now:
+        return []
+    e2 = run_estimate(run, hw, reduce_bucket=elements)
+    saved = e.device_total - e2.device_total
+    if saved < MEMORY_SHARE * e.device_total or e2.step_s > e.step_s:
+        return []
+    bucket = reduce_bucket_bytes(run)
+    return [Suggestion(
+        line_of(replace(spec, reduce_bucket_mb=float(mb))),
+        f"DeepSpeed's reduce bucket ({now:,} elements{', twice: --overlap-comm' if bucket > now * per_element else ''}"
+        f": {format_bytes(bucket)}) holds {format_bytes(shape.params * per_element)} of gradients; the "
+        f"{format_bytes(saved)} it never fills are {saved / e.device_total:.0%} of the predicted peak",
+        "peak tensor memory", before, before - saved,
+        f"peak tensor memory {format_bytes(before)} -> {format_bytes(before - saved)} (-{format_bytes(saved)}), "
+        f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms (as many reductions: every gradient fits one bucket)",
+        run.name)]
 
 
 # how each figure a suggestion moves is written (others: one decimal)
-_FORMATS = {"bus bytes / step": format_bytes, "bubble": lambda v: f"{v:.0%}",
+_FORMATS = {"bus bytes / step": format_bytes, "peak tensor memory": format_bytes, "bubble": lambda v: f"{v:.0%}",
             "exposed comm / step": lambda v: f"{v * 1e3:.1f} ms", "step time": lambda v: f"{v * 1e3:.1f} ms"}
 
 

@@ -206,9 +206,20 @@ def layout_options(run) -> dict:
     return out
 
 
-def _zero_config(run) -> dict:
+def zero_config(run) -> dict:
     """The zero_optimization section of the DeepSpeed config the run used ({} for other strategies)."""
     return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
+
+
+def reduce_bucket_bytes(run) -> int:
+    """Bytes of the reduce bucket DeepSpeed allocated whole on each rank of a ZeRO ``run`` (0 for other
+    strategies): reduce_bucket_size elements of the gradient dtype, twice under ZeRO-1/2's overlap_comm."""
+    if not run.strategy.startswith("zero"):
+        return 0
+    zero = zero_config(run)
+    per_element = 2 if planner_inputs(run)[2].precision in ("bf16", "fp16") else 4
+    copies = 2 if zero.get("overlap_comm") and run.strategy != "zero3" else 1
+    return int(zero.get("reduce_bucket_size", REDUCE_BUCKET)) * per_element * copies
 
 
 def typical_step(run, key: str = "seconds") -> float | None:
@@ -367,7 +378,7 @@ def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> 
     layout, shape, training, tp, pp = planner_inputs(run)
     if precision is not None:
         training = replace(training, precision=precision)
-    zero = _zero_config(run)
+    zero = zero_config(run)
     options = dict(persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
                    reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
                    reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
