@@ -586,7 +586,12 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.add_comm(hw, "all_gather", n, fetches, frac * ((2 if regather else 1) * w * gathered + w * sum(persistent)),
                        link=ZERO3_FETCH)
             if not regather:
-                e.device["buffers"] += w * gathered / n * (n - 1)  # the others' shards, kept gathered
+                # kept gathered for backward, twice over: DeepSpeed gathers a prefetch bucket's shards into
+                # one flat buffer, then assembles each parameter from it with torch.cat (a copy), and the
+                # flat buffer stays alive until backward's end (measured, 2 CPU ranks, wide shape: both
+                # 13.5 MiB, alive together from forward's first gather through the last backward matmul;
+                # this counted only the others' shards, (n-1)/n of one, 23 of 80 MiB short beyond the bucket)
+                e.device["buffers"] += 2 * w * gathered
         # DeepSpeed's one scalar all-reduce a step (the gradients' overflow check; measured: 4 bytes,
         # 8 in stage 3), as slow as a small all-reduce can be on CPU ranks
         e.add_comm(hw, "all_reduce", n, 1, 2 * frac * (8 if stage == 3 else 4))
