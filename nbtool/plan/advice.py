@@ -15,8 +15,8 @@ from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import line_of
 from .estimate import REDUCE_BUCKET, estimate
-from .versus import (Versus, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes, run_estimate, spec_of,
-                     typical_step, zero_config)
+from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes,
+                     run_estimate, spec_of, typical_step, zero_config)
 
 MAX_SUGGESTIONS = 3
 BUCKET_OPS = ("all_reduce",)
@@ -154,7 +154,7 @@ def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
         return []
     per_element = 2 if training.precision in ("bf16", "fp16") else 4
     now = int(zero_config(run).get("reduce_bucket_size", REDUCE_BUCKET))
-    mb = math.ceil(shape.params * per_element / 2**20)  # whole MiB that hold every gradient
+    mb = gradients_mb(shape, training.precision)
     elements = int(mb * 2**20) // per_element
     if elements >= now:
         return []

@@ -11,6 +11,7 @@ predicts each run from the previous one's calibration (and ``%commbench``).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field, replace
 
@@ -209,6 +210,12 @@ def layout_options(run) -> dict:
 def zero_config(run) -> dict:
     """The zero_optimization section of the DeepSpeed config the run used ({} for other strategies)."""
     return (run.description.details.get("deepspeed_config") or {}).get("zero_optimization") or {}
+
+
+def gradients_mb(shape: ModelShape, precision: str) -> int:
+    """Whole MiB that hold every gradient of the model (ZeRO's reduce bucket counts the 16-bit dtype under
+    bf16 / fp16)."""
+    return math.ceil(shape.params * (2 if precision in ("bf16", "fp16") else 4) / 2**20)
 
 
 def reduce_bucket_bytes(run) -> int:
@@ -428,6 +435,12 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
                     _activation_note(parts, e) if peak is not None else ""))
+    bucket = reduce_bucket_bytes(run)
+    if peak is None and bucket >= e.device_total / 2:  # measured, the advice says what to change
+        notes.append(f"DeepSpeed's reduce bucket ({format_bytes(bucket)}, allocated whole) is "
+                     f"{bucket / e.device_total:.0%} of the predicted peak; --reduce-bucket-mb "
+                     f"{gradients_mb(shape, training.precision)} holds every gradient (run with --memory-timeline "
+                     "to measure the peak and be advised)")
     # the same measure on both sides: on CUDA ranks the allocator's peak, else tracked tensors
     cuda = any(m.cuda_peak is not None for m in run.memory)
     typical = steps_cuda_peak(run) if cuda else typical_peak(run)
