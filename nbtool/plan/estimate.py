@@ -182,7 +182,8 @@ class Estimate:
     # what each device owns over a step (params, grads, optimizer: the ledger's categories); ``device``
     # is what it holds at the predicted peak, which may lack some (no gradients yet at backward's start)
     states: dict = field(default_factory=dict)
-    peak_phase: str = ""  # "backward start", "optimizer step" or "first reduce-scatter": where ``device`` is taken
+    peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
+    # reduce-scatter" (ZeRO-3): where ``device`` is taken
 
     def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "",
                  wait_s: float = 0.0) -> float:
@@ -391,10 +392,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
-             tied: tuple = ()) -> Estimate:
+             tied: tuple = (), prefetch_bucket: int | None = None) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
-    stage3_max_live_parameters (DeepSpeed's defaults); ``compress``: DDP's gradient bytes after a
+    stage3_max_live_parameters (DeepSpeed's defaults); ``prefetch_bucket``: ZeRO-3's
+    stage3_prefetch_bucket_size (None: DeepSpeed's default, 5e7); ``compress``: DDP's gradient bytes after a
     compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus); ``shard``: fsdp's
     shard group under hybrid sharding (--dp-shard; the rest replicate it), default every device;
     ``whole``: elements fsdp keeps whole on every device (--replicate), or that tensor parallelism leaves
@@ -585,13 +587,26 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             # issued ahead (prefetched) and waited on: their own link where known (CPU ranks, measured)
             e.add_comm(hw, "all_gather", n, fetches, frac * ((2 if regather else 1) * w * gathered + w * sum(persistent)),
                        link=ZERO3_FETCH)
-            if not regather:
+            # in memory, prefetching keeps them as if reused (measured, wide shape: reuse distance 0 with
+            # the default prefetch bucket peaks as the defaults do), up to DeepSpeed's live-parameter limit
+            held = not regather or (prefetch_bucket != 0 and gathered <= REUSE_LIMIT)
+            if held:
                 # kept gathered for backward, twice over: DeepSpeed gathers a prefetch bucket's shards into
                 # one flat buffer, then assembles each parameter from it with torch.cat (a copy), and the
                 # flat buffer stays alive until backward's end (measured, 2 CPU ranks, wide shape: both
                 # 13.5 MiB, alive together from forward's first gather through the last backward matmul;
                 # this counted only the others' shards, (n-1)/n of one, 23 of 80 MiB short beyond the bucket)
                 e.device["buffers"] += 2 * w * gathered
+            # backward's end, activations and gathered parameters gone: DeepSpeed flattens the bucket's
+            # gradients into one tensor (torch.cat, a copy) to reduce-scatter them, and gloo (CPU ranks)
+            # clones that input. The peak where parameters are fetched again for backward, unprefetched
+            # (measured, wide shape, stage3_max_reuse_distance and stage3_prefetch_bucket_size 0: 2 x 14.3
+            # MiB, the rest of the peak beyond the states and the bucket exactly; 23% short without it)
+            flat = g * min(psi, reduce_bucket) * (2 if cpu else 1)
+            kept = 2 * w * gathered if held else 0
+            if flat > e.device.get("activations", 0) + kept:
+                e.device.update(activations=0.0, buffers=e.device["buffers"] - kept + flat)
+                e.peak_phase = "last reduce-scatter"
         # DeepSpeed's one scalar all-reduce a step (the gradients' overflow check; measured: 4 bytes,
         # 8 in stage 3), as slow as a small all-reduce can be on CPU ranks
         e.add_comm(hw, "all_reduce", n, 1, 2 * frac * (8 if stage == 3 else 4))

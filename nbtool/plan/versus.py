@@ -390,6 +390,7 @@ def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> 
                    reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
                    reuse_limit=int(min(zero.get("stage3_max_reuse_distance", REUSE_LIMIT),
                                        zero.get("stage3_max_live_parameters", REUSE_LIMIT))),
+                   prefetch_bucket=zero.get("stage3_prefetch_bucket_size"),
                    compress=compress_factor(run), overlap_comm=bool(zero.get("overlap_comm", False)),
                    **layout_options(run))
     return estimate(layout, shape, training, hw, tp=tp, pp=pp, **{**options, **changes})
