@@ -148,16 +148,19 @@ def main() -> None:
                     (timelines if timeline else runs)[line].append(run)
         for line in chosen:
             costs += [typical_step(t) / typical_step(r) for r, t in zip(runs[line], timelines[line])]
-        for line in chosen:  # the noise floor: each round's run predicted from its round's base with the
-            # other rounds' ratio, what a model exact on average would still miss by
+        calibrated = {}  # id(run) -> its calibration: each round's base run calibrates every strategy
+        for line in chosen if a.repeat > 1 else ():  # the noise floor: each round's run predicted from its
+            # round's base with the other rounds' ratio, what a model exact on average would still miss by
             base = ("fsdp" if a.base == "ddp" else "ddp") if line == a.base else a.base
             ratios = [typical_step(r) / typical_step(b) for r, b in zip(runs[line], runs[base])]
             for j, r in enumerate(ratios):
-                if len(ratios) > 1:
-                    aa_errors.append((statistics.median(ratios[:j] + ratios[j + 1:]) / r - 1, f"{shape} {line}"))
-                    # and the planner the same way: calibrated on the same round's base run
-                    paired = versus(runs[line][j], calibrate(runs[base][j]), f"run {base!r}")
-                    paired_errors.append((paired.row("step time").error, f"{shape} {line}"))
+                aa_errors.append((statistics.median(ratios[:j] + ratios[j + 1:]) / r - 1, f"{shape} {line}"))
+                # and the planner the same way: calibrated on the same round's base run
+                b = runs[base][j]
+                if id(b) not in calibrated:
+                    calibrated[id(b)] = calibrate(b)
+                paired = versus(runs[line][j], calibrated[id(b)], f"run {base!r}")
+                paired_errors.append((paired.row("step time").error, f"{shape} {line}"))
         median_time = {line: _median_run(runs[line], typical_step) for line in chosen}
         median_peak = {line: _median_run(timelines[line], lambda r: peak_tensors(r)[0] or 0) for line in chosen}
         for line in chosen:
@@ -227,7 +230,7 @@ def main() -> None:
     if zero_rest:
         worst_z = max(zero_rest, key=lambda z: abs(z[0]))
         print(f"zero_rest_memory_error={abs(worst_z[0]):.3f} (worst: {worst_z[1]}; "
-              + ", ".join(f"{w.split()[0]} {w.split(' ', 1)[1]} {e:+.1%}" for e, w, _ in zero_rest)
+              + ", ".join(f"{w} {e:+.1%}" for e, w, _ in zero_rest)
               + f"): ZeRO's peaks less DeepSpeed's reduce bucket, which it allocates whole ({min(z[2] for z in zero_rest):.0%}"
               f"..{max(z[2] for z in zero_rest):.0%} of these peaks, its size known exactly): the part the planner "
               "models; shown, not the target")

@@ -262,6 +262,12 @@ def flag_of(f) -> str:
     return "--no-" + name[2:] if f.metadata["kind"] == "off" else name
 
 
+def bucket_element_bytes(precision: str) -> int:
+    """Bytes of one element of DeepSpeed's reduce and all-gather buckets: it counts both in elements of the
+    gradient and parameter dtype, 16-bit under bf16 / fp16."""
+    return 2 if precision in ("bf16", "fp16") else 4
+
+
 def line_of(spec: StrategySpec) -> str:
     """The ``%%distributed`` line (after the magic's name) that asks for ``spec``: its strategy word and
     every option that differs from the default, as a user writes it. ``--ds-config``'s file cannot be
@@ -511,8 +517,7 @@ def deepspeed_config(spec: StrategySpec, world_size: int) -> dict:
     for key in ("overlap_comm", "contiguous_gradients"):
         if getattr(spec, key) is not None:
             zero[key] = getattr(spec, key)
-    # DeepSpeed counts both buckets in elements of the (16-bit under bf16/fp16) gradient and parameter dtype
-    per_element = 2 if spec.precision in ("bf16", "fp16") else 4
+    per_element = bucket_element_bytes(spec.precision)
     for key, mb in (("reduce_bucket_size", spec.reduce_bucket_mb), ("allgather_bucket_size", spec.allgather_bucket_mb)):
         if mb is not None:
             zero[key] = int(mb * 2**20) // per_element

@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from .. import run_analysis
 from ..metrics import format_bytes
-from ..spec import line_of
+from ..spec import bucket_element_bytes, line_of
 from .estimate import REDUCE_BUCKET, estimate
 from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes,
                      run_estimate, spec_of, typical_step, zero_config)
@@ -152,7 +152,7 @@ def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
     before = measure(run, "peak tensor memory")
     if not spec.is_zero or not before:
         return []
-    per_element = 2 if training.precision in ("bf16", "fp16") else 4
+    per_element = bucket_element_bytes(training.precision)
     now = int(zero_config(run).get("reduce_bucket_size", REDUCE_BUCKET))
     mb = gradients_mb(shape, training.precision)
     elements = int(mb * 2**20) // per_element

@@ -590,20 +590,19 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             # in memory, prefetching keeps them as if reused (measured, wide shape: reuse distance 0 with
             # the default prefetch bucket peaks as the defaults do), up to DeepSpeed's live-parameter limit
             held = not regather or (prefetch_bucket != 0 and gathered <= REUSE_LIMIT)
-            if held:
-                # kept gathered for backward, twice over: DeepSpeed gathers a prefetch bucket's shards into
-                # one flat buffer, then assembles each parameter from it with torch.cat (a copy), and the
-                # flat buffer stays alive until backward's end (measured, 2 CPU ranks, wide shape: both
-                # 13.5 MiB, alive together from forward's first gather through the last backward matmul;
-                # this counted only the others' shards, (n-1)/n of one, 23 of 80 MiB short beyond the bucket)
-                e.device["buffers"] += 2 * w * gathered
+            # kept gathered for backward, twice over: DeepSpeed gathers a prefetch bucket's shards into
+            # one flat buffer, then assembles each parameter from it with torch.cat (a copy), and the
+            # flat buffer stays alive until backward's end (measured, 2 CPU ranks, wide shape: both
+            # 13.5 MiB, alive together from forward's first gather through the last backward matmul;
+            # this counted only the others' shards, (n-1)/n of one, 23 of 80 MiB short beyond the bucket)
+            kept = 2 * w * gathered if held else 0
+            e.device["buffers"] += kept
             # backward's end, activations and gathered parameters gone: DeepSpeed flattens the bucket's
             # gradients into one tensor (torch.cat, a copy) to reduce-scatter them, and gloo (CPU ranks)
             # clones that input. The peak where parameters are fetched again for backward, unprefetched
             # (measured, wide shape, stage3_max_reuse_distance and stage3_prefetch_bucket_size 0: 2 x 14.3
             # MiB, the rest of the peak beyond the states and the bucket exactly; 23% short without it)
             flat = g * min(psi, reduce_bucket) * (2 if cpu else 1)
-            kept = 2 * w * gathered if held else 0
             if flat > e.device.get("activations", 0) + kept:
                 e.device.update(activations=0.0, buffers=e.device["buffers"] - kept + flat)
                 e.peak_phase = "last reduce-scatter"

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from .. import run_analysis
-from ..spec import StrategySpec
+from ..spec import StrategySpec, bucket_element_bytes
 from . import cpu_costs
 from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
 from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
@@ -215,7 +215,7 @@ def zero_config(run) -> dict:
 def gradients_mb(shape: ModelShape, precision: str) -> int:
     """Whole MiB that hold every gradient of the model (ZeRO's reduce bucket counts the 16-bit dtype under
     bf16 / fp16)."""
-    return math.ceil(shape.params * (2 if precision in ("bf16", "fp16") else 4) / 2**20)
+    return math.ceil(shape.params * bucket_element_bytes(precision) / 2**20)
 
 
 def reduce_bucket_bytes(run) -> int:
@@ -224,9 +224,8 @@ def reduce_bucket_bytes(run) -> int:
     if not run.strategy.startswith("zero"):
         return 0
     zero = zero_config(run)
-    per_element = 2 if planner_inputs(run)[2].precision in ("bf16", "fp16") else 4
     copies = 2 if zero.get("overlap_comm") and run.strategy != "zero3" else 1
-    return int(zero.get("reduce_bucket_size", REDUCE_BUCKET)) * per_element * copies
+    return int(zero.get("reduce_bucket_size", REDUCE_BUCKET)) * bucket_element_bytes(planner_inputs(run)[2].precision) * copies
 
 
 def typical_step(run, key: str = "seconds") -> float | None:
