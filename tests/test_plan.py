@@ -655,6 +655,38 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
 
 
 
+def test_zero2_peaks_as_backward_starts_before_its_gradient_partition(ip, cluster):
+    """DeepSpeed ZeRO-2 fills its gradient partition as the reduce bucket is reduced, at backward's end
+    when the bucket holds every gradient, and lets go of the bucket before the optimizer step: the
+    planner's peak is the larger of backward's start (every activation and the bucket, no gradient)
+    and the optimizer step (the partition and Adam's temporaries). On real engines, with a bucket that
+    just holds the gradients (DeepSpeed's 1.86 GiB default would make the peak), two shapes are within
+    5% of the measured peak; adding the partition to backward's start, as the planner did, was over
+    by more than 5% on the tutorial shape (8.0-9.3% of the peak beyond the bucket on three shapes)."""
+    import nbtool
+    from nbtool.plan.versus import calibrate, versus
+
+    for shape, bucket in (("dim=128, heads=4, layers=4", 4), ("dim=384, heads=6, layers=2", 15)):
+        ip.run_cell(f"""%%distributed zero2 --reduce-bucket-mb {bucket} --memory-timeline --quiet --no-watch
+from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
+m = TinyTransformer(vocab=256, {shape}, seq=32)
+model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()))
+for _, (x, y) in zip(range(4), strategy.dataloader(SyntheticTokens(samples=64, seq=32, vocab=256), batch_size=8)):
+    strategy.backward(lm_loss(model(x), y)); opt.step(); opt.zero_grad()
+""").raise_error()
+        run = nbtool.last_run()
+        v = versus(run, calibrate(run), "itself")
+        peak, e = v.row("peak tensor memory"), v.estimate
+        assert e.peak_phase == "backward start" and "grads" not in e.device and e.states["grads"] > 0, e
+        # the quieter rank's peak: in one tutorial-shape run of six, one rank's timeline held a block
+        # of psi/2 from set-up to the end (every step of that rank only; not found, see README), which
+        # is not the moment under test here
+        measured = min(max(t.totals()) for t in run.timelines)
+        assert abs(peak.predicted / measured - 1) <= 0.05, (shape, peak, measured, e.device)
+        if bucket == 4:
+            assert (peak.predicted + e.states["grads"]) / measured - 1 > 0.05, (peak, measured, e.states)
+
+
 def test_zero3_peaks_with_its_gathered_parameters_held_twice_or_at_its_last_reduce_scatter(ip, cluster, tmp_path):
     """DeepSpeed ZeRO-3 gathers a prefetch bucket's shards into one flat buffer and builds each parameter
     from it with torch.cat; the flat buffer lives until backward's end, so every parameter above the

@@ -143,6 +143,8 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
       copy-out after the wait): when the last op that read it ended (the consumer after the wait),
       if no Python tensor holds it now (a tp run's peak had held 1-6 of them, a different number
       each run; a 16-step fsdp run's end 19-260 kB of all-gather outputs);
+    - a flat copy made for one all-reduce, one of a series (``_flat_copies``), if no Python tensor
+      holds it now: when the last op that read it ended;
     - else when its address was handed out again (it was free by then); else it is held to the end.
     Persistent buffers that collectives use (DDP's buckets, FSDP's shards) are neither.
 
@@ -180,10 +182,11 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
     sent = {b for b, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     # FSDP's flat buffers; DDP's buckets, which only C++ holds and which outlive the cell, are all-reduced
     sharding = {b for b, ops in uses.items() if all("gather" in op or "reduce_scatter" in op for op in ops)}
+    copies = _flat_copies(works, block, {id(e): e for e in events if e.extra_fields.alloc_size > 0})
     ends = {id(w): w.end_time_ns for w in works}
     functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
                   and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
-    alive = _python_tensor_addresses() if sent or functional or sharding else frozenset()  # walks every object
+    alive = _python_tensor_addresses() if sent or functional or sharding or copies else frozenset()  # walks every object
     held = {id(made[ptr][-1]) for ptr in alive if ptr in made}  # what Python holds now: the last block there
     allocs, freed, unseen, live, earlier = [], {}, {}, {}, []  # live: address -> its allocation not yet freed
     results, last_read = set(), {}  # read after the collective: id(allocation), when the last read ended
@@ -200,7 +203,8 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
                 unseen[id(e)] = max(owner, used_until.get(id(e), 0))
             elif id(e) in sent and id(e) not in held:
                 unseen[id(e)] = used_until[id(e)]
-            elif id(e) not in held and (id(e) in sharding or _collective_of(e, functional) is not None):
+            elif id(e) not in held and (id(e) in sharding or id(e) in copies
+                                        or _collective_of(e, functional) is not None):
                 results.add(id(e))
         elif f.ptr in live:
             freed[id(live.pop(f.ptr))] = e.start_time_ns
@@ -217,6 +221,37 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
         if id(e) not in freed and taken:
             freed[id(e)] = min(taken)
     return allocs, freed, earlier
+
+
+def _flat_copies(works, block, allocation) -> set:
+    """The blocks only ever all-reduced, by one collective each, in a series of the same size where a
+    new block was made by ``torch.cat`` after an earlier one's reduction: the flat copy made for
+    each reduction (DeepSpeed ZeRO-1/2's flattened gradient buckets on gloo). Whether the training
+    thread or gloo's worker drops such a copy last is a race, and the worker's free goes unrecorded:
+    0-2 earlier steps' copies had looked held at a later step's peak (the tutorial model's zero2 +7% or +14%, a
+    different number each run), and the last step's at its optimizer step (wide shape, bucket 15
+    MiB: one rank's peak 8-11% over the other's, one run in two). DDP's buckets, all-reduced again
+    each step, are made by the reducer, not by ``torch.cat`` (in a 2-step run, the buckets DDP
+    rebuilds in step 2 are reduced once, after step 1's)."""
+    reads: dict = {}  # id(allocation) -> [(start, name) of each collective that read it]
+    for w in works:
+        if _name(w).startswith("gloo:"):  # the worker's event (c10d's on the caller is the same call)
+            for t in _tensors(w.extra_fields.inputs):
+                if (b := block(t, w.start_time_ns)) is not None:
+                    reads.setdefault(b, []).append((w.start_time_ns, _name(w)))
+    once = {b: r[0][0] for b, r in reads.items()
+            if len(r) == 1 and r[0][1] == "gloo:all_reduce" and _made_by(allocation[b], "aten::cat")}
+    series: dict = {}  # size -> [(made, reduced)] of the once-reduced blocks of that size
+    for b, reduced in once.items():
+        e = allocation[b]
+        series.setdefault(e.extra_fields.alloc_size, []).append((e.start_time_ns, reduced))
+    out = set()
+    for b, reduced in once.items():
+        made = allocation[b].start_time_ns
+        others = series[allocation[b].extra_fields.alloc_size]
+        if any(m > reduced for m, _ in others) or any(r < made for _, r in others):
+            out.add(b)
+    return out
 
 
 def _python_tensor_addresses() -> frozenset:
@@ -290,6 +325,16 @@ def _name(event) -> str:
         return event.name
     except UnicodeDecodeError:  # seen on torch 2.13: a garbled name of some Python-tracer event
         return ""
+
+
+def _made_by(alloc, op: str) -> bool:
+    """Whether ``op`` (or an op inside it) made the allocation."""
+    parent = alloc.parent
+    while parent is not None:
+        if _name(parent) == op:
+            return True
+        parent = parent.parent
+    return False
 
 
 def _collective_of(alloc, ends: dict):
