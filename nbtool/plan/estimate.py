@@ -619,7 +619,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     # blocked for about all of their time (exposed = busy for fsdp, zero1/2, tp), so none is hidden
     e.exposed_comm_s = e.comm_s if cpu else max(0.0, e.comm_s - 2 / 3 * e.compute_s)
     if layout.stage == 2:
-        _zero2_peak_phase(e, t, 0.0 if layout.offload or not adam else (2 if cpu else 1) * 4 * psi / n)
+        # ZeRO-2 fills its gradient partition as the bucket is reduced, at backward's end when the bucket
+        # holds every gradient, and lets go of the bucket after backward (live blocks at the peak, wide
+        # shape on CPU ranks: the bucket, Adam's moments and backward's first matmul outputs; counting
+        # the partition at backward's start put the peak beyond the bucket 8.0-9.3% over on three shapes,
+        # every run). Adam's temporaries are over the flat fp32 partition: on CPU ranks its square root
+        # and quotient, one partition each (measured); on GPUs a foreach square root of the second moments
+        _peak_phase(e, t, 0.0 if layout.offload or not adam else (2 if cpu else 1) * 4 * psi / n,
+                    buffers_at_step=False)
     elif layout.is_zero:  # DeepSpeed's estimator counts its own buffers, whatever the moment
         e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
@@ -648,27 +655,6 @@ def _adam_temporary(e: Estimate, m: ModelShape, adam: bool, cpu: bool, split: in
     return 2 * 4 * (max(m.numels) if m.numels else (m.largest_layer or 0)) / split
 
 
-def _zero2_peak_phase(e: Estimate, t: Training, temporary: float) -> None:
-    """Set ``e.device`` to the larger of these moments of a DeepSpeed ZeRO-2 step:
-
-    - backward's start: every activation saved and the reduce bucket (allocated whole), no gradient
-      partition yet: DeepSpeed fills it as the bucket is reduced, at backward's end when the bucket
-      holds every gradient (live blocks at the peak, wide shape on CPU ranks: the bucket, Adam's
-      moments and backward's first matmul outputs; counting the partition put the peak beyond the
-      bucket 8.0-9.3% over on three shapes, every run);
-    - the optimizer step: activations gone and the bucket too (DeepSpeed lets go of it after
-      backward), the gradient partition there, and Adam's ``temporary`` over the flat fp32 partition
-      (on CPU ranks its square root and quotient, one partition each, measured; on GPUs a foreach
-      square root of the second moments).
-    """
-    e.states = _owned(e.device)
-    start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
-    step = {k: v for k, v in e.device.items() if k not in ("activations", "buffers")}
-    step["buffers"] = temporary
-    e.device, e.peak_phase = max(((start, "backward start"), (step, "optimizer step")),
-                                 key=lambda d: sum(d[0].values()))
-
-
 def _owned(device: dict) -> dict:
     """What a device owns over a step: the ledger's categories of ``device``."""
     return {k: device.get(k, 0) for k in ("params", "grads", "optimizer")}
@@ -677,13 +663,14 @@ def _owned(device: dict) -> dict:
 def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool,
                 reduce_at: tuple | None = None) -> None:
     """Set ``e.device`` to the largest of these moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
-    gradients set to None by zero_grad):
+    gradients set to None by zero_grad; ZeRO-2, whose gradient partition is made at backward's end):
 
     - backward's start: every activation saved, no gradient yet (with gradient accumulation, the
       earlier micro-batches' gradients are there);
     - the optimizer step: activations gone, gradients there, the buffers only where they persist
       (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
-      a pipeline's gradient being added), and the optimizer's ``temporary`` (_adam_temporary);
+      a pipeline's gradient being added, nor ZeRO-2's reduce bucket), and the optimizer's
+      ``temporary`` (_adam_temporary);
     - FSDP's first reduce-scatter (``reduce_at``: its buffers and the activations still saved), with
       what backward's start holds besides.
     """

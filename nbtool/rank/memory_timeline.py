@@ -172,17 +172,20 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
 
     works = [e for e in every if e.tag == _EventType.TorchOp and _name(e).startswith(("gloo:", "c10d::"))]
     used_until, uses = {}, {}  # id(allocation) -> when the last work using it ended, its ops
+    reads = {}  # id(allocation) -> [(start, name)] of the worker's collectives that read it
     for w in works:
         for t in _tensors(w.extra_fields.inputs):
             if (b := block(t, w.start_time_ns)) is not None:
                 used_until[b] = max(used_until.get(b, 0), w.end_time_ns)
                 uses.setdefault(b, set()).add(_name(w))
+                if _name(w).startswith("gloo:"):  # the worker's event (c10d's on the caller is the same call)
+                    reads.setdefault(b, []).append((w.start_time_ns, _name(w)))
     # handed to the backend: sent, or only ever broadcast (DDP's start-up broadcast of a flat copy of
     # the parameters, whose last reference the source rank's gloo worker drops)
     sent = {b for b, ops in uses.items() if any("send" in op for op in ops) or all("broadcast" in op for op in ops)}
     # FSDP's flat buffers; DDP's buckets, which only C++ holds and which outlive the cell, are all-reduced
     sharding = {b for b, ops in uses.items() if all("gather" in op or "reduce_scatter" in op for op in ops)}
-    copies = _flat_copies(works, block, {id(e): e for e in events if e.extra_fields.alloc_size > 0})
+    copies = _flat_copies(reads, {id(e): e for e in events if e.extra_fields.alloc_size > 0})
     ends = {id(w): w.end_time_ns for w in works}
     functional = {id(e): e.end_time_ns for e in every if e.tag == _EventType.TorchOp  # as ``ends``, for
                   and _name(e).startswith("_c10d_functional::") and "wait" not in _name(e)}  # _collective_of
@@ -223,22 +226,17 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
     return allocs, freed, earlier
 
 
-def _flat_copies(works, block, allocation) -> set:
+def _flat_copies(reads: dict, allocation: dict) -> set:
     """The blocks only ever all-reduced, by one collective each, in a series of the same size where a
     new block was made by ``torch.cat`` after an earlier one's reduction: the flat copy made for
     each reduction (DeepSpeed ZeRO-1/2's flattened gradient buckets on gloo). Whether the training
     thread or gloo's worker drops such a copy last is a race, and the worker's free goes unrecorded:
-    0-2 earlier steps' copies had looked held at a later step's peak (the tutorial model's zero2 +7% or +14%, a
-    different number each run), and the last step's at its optimizer step (wide shape, bucket 15
-    MiB: one rank's peak 8-11% over the other's, one run in two). DDP's buckets, all-reduced again
-    each step, are made by the reducer, not by ``torch.cat`` (in a 2-step run, the buckets DDP
-    rebuilds in step 2 are reduced once, after step 1's)."""
-    reads: dict = {}  # id(allocation) -> [(start, name) of each collective that read it]
-    for w in works:
-        if _name(w).startswith("gloo:"):  # the worker's event (c10d's on the caller is the same call)
-            for t in _tensors(w.extra_fields.inputs):
-                if (b := block(t, w.start_time_ns)) is not None:
-                    reads.setdefault(b, []).append((w.start_time_ns, _name(w)))
+    0-2 earlier steps' copies had looked held at a later step's peak (the tutorial model's zero2
+    +7% or +14%, a different number each run), and the last step's at its optimizer step (wide
+    shape, bucket 15 MiB: one rank's peak 8-11% over the other's, one run in two). DDP's buckets,
+    all-reduced again each step, are made by the reducer, not by ``torch.cat`` (in a 2-step run,
+    the buckets DDP rebuilds in step 2 are reduced once, after step 1's). ``reads``: id(allocation)
+    -> [(start, name)] of the worker's collectives that read it."""
     once = {b: r[0][0] for b, r in reads.items()
             if len(r) == 1 and r[0][1] == "gloo:all_reduce" and _made_by(allocation[b], "aten::cat")}
     series: dict = {}  # size -> [(made, reduced)] of the once-reduced blocks of that size
