@@ -2,30 +2,40 @@
 
     python benchmarks/plan_accuracy.py --dump runs.json --save runs/
     python benchmarks/fit_cpu_costs.py runs.json[,more_runs.json] [--check other_runs.json] [--all-runs]
+                                       [--leave-one-out]
     python benchmarks/fit_cpu_costs.py --links runs/[,more_runs/] [--check other_runs/]
 
 The model (see nbtool/plan/cpu_costs.py): seconds per step outside
-communication = S_PER_GFLOP (S_PER_GFLOP_16BIT for bf16 runs) x GFLOP per rank
-+ S_PER_TENSOR[row] x parameter tensors per rank, one S_PER_TENSOR per
-strategy row. Fitted by least squares
-on the relative error (each run's error divided by its measured time), on the
-median run of each strategy and shape (``--all-runs``: every run). A pipeline's
-measured time holds its bubble: it is taken out as the planner adds it back
-(compute x bubble). Prints the constants in cpu_costs' form and the in-sample
-errors; ``--check`` prints the errors of the fitted model on another dump
-(out of sample). Then SYNC_WAIT: per tp and pp, the median over its runs of
-(exposed comm measured - the planner's link time) / the planner's compute;
+communication = host speed x (S_PER_GFLOP x fp32 GFLOP per rank +
+S_PER_TENSOR[row] x parameter tensors per rank), one S_PER_TENSOR per
+strategy row; a bf16 run's FLOPs take their time at the ranks' measured bf16
+rate (the dump's ``bf16_flops``), outside the host speed. Each dump (one
+session's set) has its own host speed, fitted with the constants (least
+squares on the relative error): this machine's speed moved by up to 40%
+between sessions, and the planner uses only the model's ratios between
+strategies (a calibration run sets the speed). Fitted on the median run of
+each strategy and shape (``--all-runs``: every run). A pipeline's measured
+time holds its bubble: it is taken out as the planner adds it back (compute x
+bubble). Prints the constants in cpu_costs' form, each set's speed, and the
+errors of each median run predicted as plan_accuracy predicts it (its
+shape's fsdp run calibrating the speed, ddp's for fsdp) in sample and with
+cpu_costs' current constants; ``--leave-one-out``: each dump predicted by the
+fit on the others; ``--check``: the errors on another dump (out of sample).
+Then SYNC_WAIT: per tp and pp, the median over its runs of (step time less
+its measured compute - the planner's link time) / the planner's compute;
 and S_PER_SP_COLLECTIVE from the tp --sp runs (kept out of the fit above).
 
 ``--links``: the in-training collective table (cpu_costs.COLLECTIVES) from
-the runs ``--save`` wrote. Per run, op and size: each step's mean time of the
-collectives the rank-0 thread blocked on (the planner adds them up per step),
-the median over steps 2..N; per op and size the median over runs; then a
-weighted alpha-beta fit per op (nbtool.commbench.fit_alpha_beta). ZeRO-3's
-fetches (all-gathers issued ahead and waited on) get their own row, fitted by
-least squares on the relative error to each zero3 run's median step of
-(fetches, bus bytes, seconds waited). ``--check``: each op's median relative
-error on other runs' points (out of sample).
+the runs ``--save`` wrote, one point per run and row: a typical step's
+(collectives, bus bytes, seconds), each the median over steps 2..N-1 on
+rank 0, fitted as count x alpha + bus bytes / B by least squares on
+log(predicted / measured) (the planner adds an op's collectives up per step
+and models a typical step). The rows: per op, the collectives the thread
+blocked on, in data-parallel runs (tp's and pp's wait for the other rank is
+SYNC_WAIT's); ZeRO-3's fetches (all-gathers issued ahead), the seconds waited
+on them; DDP's bucket all-reduces, their in-flight union (the reducer's wait
+is not observable, so the planner's compute for DDP leaves them that union).
+``--check``: each row's errors on other runs' points (out of sample).
 """
 from __future__ import annotations
 
@@ -43,36 +53,91 @@ def _row(run: str) -> str:
 
 
 def _points(path: str, all_runs: bool) -> list[dict]:
+    """Each run of one dump (``all_runs``: every run; else each strategy's median run), with the time
+    its bf16 FLOPs take at the ranks' measured bf16 rate (``fixed``: the planner does not scale it)."""
     out = []
     for d in json.load(open(path)):
         if (not all_runs and not d.get("median", True)) or d.get("sp_collectives"):
             continue  # sequence parallelism's own host term is fitted apart (sp_host)
         bubble = d["pred_bubble_s"] / d["pred_compute_s"] if d["pred_compute_s"] else 0.0
-        out.append({"key": f"{d['shape']} {d['run']}", "row": _row(d["run"]), "half": "bf16" in d["run"],
-                    "gflop": 6 * d["params"] * d["tokens"] / (d["tp"] * d["pp"]) / 1e9,
+        half = "bf16" in d["run"]
+        gflop = 6 * d["params"] * d["tokens"] / (d["tp"] * d["pp"]) / 1e9
+        if half and not d.get("bf16_flops"):
+            continue  # a bf16 run without the ranks' probe: its FLOP rate is not this model's to fit
+        out.append({"set": path, "shape": d["shape"], "run": d["run"], "median": d.get("median", True),
+                    "key": f"{d['shape']} {d['run']}", "row": _row(d["run"]), "half": half, "gflop": gflop,
+                    "fixed": gflop * 1e9 / d["bf16_flops"] if half else 0.0,
                     "tensors": d["tensors"] / d["pp"], "measured": d["compute_s"] / (1 + bubble)})
     return out
 
 
-def fit(points: list[dict]) -> tuple[tuple[float, float], dict]:
-    """((seconds per GFLOP in fp32, in 16 bits), seconds per tensor by row)."""
+def _features(p: dict, rows: list) -> list:
+    """What host_speed scales: the fp32 FLOPs and the parameter tensors (in the run's row)."""
+    return [0.0 if p["half"] else p["gflop"]] + [p["tensors"] if p["row"] == r else 0.0 for r in rows]
+
+
+def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
+    """({"gflop": seconds per fp32 GFLOP, row: seconds per tensor}, {set: its host speed}).
+
+    Each set (one plan_accuracy run: one session) gets its own host speed: this machine's speed moved
+    by up to 40% between sessions, and the planner only ever uses the model's ratios between
+    strategies (a calibration run sets the speed). Least squares on the relative error, alternating
+    the constants (linear, the speeds fixed) and the speeds (closed form, the constants fixed); the
+    speeds' geometric mean is 1, so the constants are those of a typical session here."""
     rows = [r for r in ROWS if any(p["row"] == r for p in points)]
-    a = np.array([[0.0 if p["half"] else p["gflop"] / p["measured"], p["gflop"] / p["measured"] if p["half"] else 0.0]
-                  + [p["tensors"] / p["measured"] if p["row"] == r else 0.0 for r in rows] for p in points])
-    x, *_ = np.linalg.lstsq(a, np.ones(len(points)), rcond=None)
-    return (float(x[0]), float(x[1])), dict(zip(rows, map(float, x[2:])))
+    sets = sorted({p["set"] for p in points})
+    x = np.array([_features(p, rows) for p in points])
+    measured = np.array([p["measured"] for p in points])
+    target = 1 - np.array([p["fixed"] for p in points]) / measured
+    index = [np.array([p["set"] == s for p in points]) for s in sets]
+    speed = np.ones(len(points))
+    for _ in range(rounds):
+        theta, *_ = np.linalg.lstsq(x * (speed / measured)[:, None], target, rcond=None)
+        scaled = x @ theta / measured
+        for i in index:
+            speed[i] = scaled[i] @ target[i] / (scaled[i] @ scaled[i])
+    mean = float(np.exp(np.mean([np.log(speed[i][0]) for i in index])))
+    theta = theta * mean
+    return dict(zip(["gflop"] + rows, map(float, theta))), {s: float(speed[i][0]) / mean for s, i in zip(sets, index)}
+
+
+def calibrated_errors(points: list[dict], costs: dict, base: str = "fsdp") -> list[tuple[str, float]]:
+    """Each median run's time outside communication predicted as plan_accuracy does: its shape's run
+    of ``base`` (the other of ddp and fsdp for ``base`` itself) sets the host speed, the model the rest."""
+    def model(p):
+        return (0.0 if p["half"] else costs["gflop"] * p["gflop"]) + costs[p["row"]] * p["tensors"]
+
+    runs: dict = {}
+    for p in points:
+        if p["median"] and p["row"] in costs:
+            runs.setdefault((p["set"], p["shape"]), {})[p["run"]] = p
+    out = []
+    for by_run in runs.values():
+        for run, p in by_run.items():
+            b = by_run.get(("ddp" if base == "fsdp" else "fsdp") if run == base else base)
+            if b is not None:
+                speed = (b["measured"] - b["fixed"]) / model(b)
+                out.append((p["key"], (speed * model(p) + p["fixed"]) / p["measured"] - 1))
+    return out
+
+
+def current_costs() -> dict:
+    from nbtool.plan import cpu_costs
+
+    return {"gflop": cpu_costs.S_PER_GFLOP, **cpu_costs.S_PER_TENSOR}
 
 
 def sync_wait(paths: list[str]) -> dict:
-    """{row: the median over its runs of (exposed comm measured - predicted without the wait) / predicted
-    compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs scatter too much for
-    its median run alone)."""
+    """{row: the median over its runs of (the step's time outside compute measured - the planner's link
+    time) / predicted compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs
+    scatter too much for its median run alone). Outside compute: tp's blocked time; a pipeline's comm
+    busy time, as its compute is measured (nbtool.plan.versus.measured_compute_s)."""
     out: dict = {}
     for path in paths:
         for d in json.load(open(path)):
-            if d["run"] in ("tp", "pp") and d["exposed_s"] is not None and d["pred_compute_s"]:
+            if d["run"] in ("tp", "pp") and d["compute_s"] is not None and d["pred_compute_s"]:
                 link = d["pred_exposed_s"] - d.get("pred_wait_s", 0.0)
-                out.setdefault(d["run"], []).append((d["exposed_s"] - link) / d["pred_compute_s"])
+                out.setdefault(d["run"], []).append((d["step_s"] - d["compute_s"] - link) / d["pred_compute_s"])
     return {row: statistics.median(v) for row, v in out.items()}
 
 
@@ -91,11 +156,6 @@ def sp_host(paths: list[str]) -> float | None:
     return statistics.median(out) if out else None
 
 
-def errors(points: list[dict], per_gflop: tuple, per_tensor: dict) -> list[tuple[str, float]]:
-    return [(p["key"], (per_gflop[p["half"]] * p["gflop"] + per_tensor[p["row"]] * p["tensors"]) / p["measured"] - 1)
-            for p in points if p["row"] in per_tensor]
-
-
 def report(title: str, errs: list[tuple[str, float]]) -> None:
     worst = max(errs, key=lambda e: abs(e[1]))
     mags = [abs(e) for _, e in errs]
@@ -103,86 +163,96 @@ def report(title: str, errs: list[tuple[str, float]]) -> None:
           f"{sum(m <= 0.25 for m in mags)} of {len(mags)} within 25%")
 
 
-def _link_points(dirs: str) -> tuple[dict, list]:
-    """({op: {bus bytes: [a run's median step mean seconds, ...]}}, [(fetches, bus bytes, seconds) per zero3
-    run]) from the runs saved in ``dirs`` (joined by commas)."""
+def _link_points(dirs: str) -> dict:
+    """{row: [(collectives, bus bytes, seconds) a typical step of one run]} from the runs saved in ``dirs``
+    (joined by commas), each figure the median over steps 2..N-1 on rank 0. The rows: per op, the
+    collectives the thread blocked on (data-parallel runs: tensor parallelism's and a pipeline's wait
+    for the other rank is SYNC_WAIT's); ZeRO-3's fetches, seconds waited on them; DDP's buckets, their
+    in-flight union (the reducer's wait is not observable: the time the planner's compute leaves them)."""
     import glob
     import os
     from collections import defaultdict
 
+    from nbtool import run_analysis
     from nbtool.metrics import load
+    from nbtool.plan.estimate import DDP_INFLIGHT, ZERO3_FETCH
 
-    blocking: dict = defaultdict(lambda: defaultdict(list))
-    fetches = []
+    own: dict = defaultdict(list)
     for d in dirs.split(","):
         for path in sorted(glob.glob(os.path.join(d, "*_plain.json"))):
             run = load(path)
+            if run.description.dims is not None:
+                continue
             last = max(m.step for m in run.steps if m.rank == 0)
-            per_step: dict = defaultdict(lambda: defaultdict(list))  # (op, size) -> step -> seconds
-            waited = {}  # async all-gather seq -> its step
+            steps: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))  # row -> step -> figures
+            waited = {}  # ZeRO-3's async all-gathers: seq -> record
             for c in run.comms:
                 if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
                     continue
-                if not c.asynchronous:
-                    per_step[c.op, c.bus_bytes][c.step].append(c.seconds)
-                elif c.op == "all_gather" and run.strategy == "zero3":
+                if not c.asynchronous and c.op in LINK_OPS:
+                    step = steps[c.op][c.step]
+                    step[0], step[1], step[2] = step[0] + 1, step[1] + c.bus_bytes, step[2] + c.seconds
+                elif c.asynchronous and c.op == "all_gather" and run.strategy == "zero3":
                     waited[c.seq] = c
-            for (op, size), steps in per_step.items():
-                blocking[op][size].append(statistics.median(statistics.fmean(v) for v in steps.values()))
-            if waited:
-                steps = defaultdict(lambda: [0, 0.0, 0.0])
-                for c in waited.values():
-                    steps[c.step][0] += 1
-                    steps[c.step][1] += c.bus_bytes
-                for w in run.waits:
-                    if w.rank == 0 and w.seq in waited:
-                        steps[waited[w.seq].step][2] += w.seconds
-                fetches.append(tuple(statistics.median(s[i] for s in steps.values()) for i in range(3)))
-    return blocking, fetches
+                    step = steps[ZERO3_FETCH][c.step]
+                    step[0], step[1] = step[0] + 1, step[1] + c.bus_bytes
+            for w in run.waits:
+                if w.rank == 0 and w.seq in waited:
+                    steps[ZERO3_FETCH][waited[w.seq].step][2] += w.seconds
+            for row, by_step in steps.items():
+                own[row].append(tuple(statistics.median(s[i] for s in by_step.values()) for i in range(3)))
+            if run.strategy == "ddp" and (table := run_analysis.steady_steps(run)):
+                own[DDP_INFLIGHT].append(tuple(statistics.median(s[k] for s in table)
+                                               for k in ("count", "bus_bytes", "comm_s")))
+    return own
 
 
-def fit_links(blocking: dict, fetches: list) -> dict:
-    """{op: (alpha, B)}; ZeRO-3's fetches under nbtool.plan.estimate.ZERO3_FETCH."""
-    from nbtool.commbench import fit_alpha_beta
-    from nbtool.plan.estimate import ZERO3_FETCH
-
-    out = {}
-    for op in ("all_reduce", "all_gather", "reduce_scatter"):
-        sizes = sorted(blocking.get(op, {}))
-        if len(sizes) >= 2:
-            f = fit_alpha_beta("broadcast", 2, sizes, [statistics.median(blocking[op][s]) for s in sizes])
-            out[op] = (f.alpha_s, f.bus_bandwidth)
-    if len(fetches) >= 2:
-        a = np.array([[n / t, b / t] for n, b, t in fetches])
-        (alpha, inv_bw), *_ = np.linalg.lstsq(a, np.ones(len(fetches)), rcond=None)
-        out[ZERO3_FETCH] = (float(alpha), 1 / float(inv_bw) if inv_bw > 0 else float("inf"))
-    return out
+LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
-def check_links(links: dict, blocking: dict, fetches: list) -> None:
-    from nbtool.plan.estimate import ZERO3_FETCH
+def fit_link(points: list) -> tuple[float, float]:
+    """(alpha, B) such that count x alpha + bus bytes / B fits each point's seconds: least squares on
+    log(predicted / measured), so that a typical step is predicted (least squares on the relative error
+    came out 7-48% short at the median: blocked times are skewed by waits for the other rank)."""
+    n, b, t = (np.array(x, dtype=float) for x in zip(*points))
+    x, *_ = np.linalg.lstsq(np.column_stack([n / t, b / t]), np.ones(len(t)), rcond=None)
+    log_alpha, log_inv_bw = np.log(max(x[0], 1e-7)), np.log(max(x[1], 1e-13))
+    for _ in range(100):  # Gauss-Newton
+        alpha, inv_bw = np.exp(log_alpha), np.exp(log_inv_bw)
+        predicted = n * alpha + b * inv_bw
+        jacobian = np.column_stack([n * alpha / predicted, b * inv_bw / predicted])
+        step, *_ = np.linalg.lstsq(jacobian, np.log(t / predicted), rcond=None)
+        log_alpha, log_inv_bw = log_alpha + step[0], log_inv_bw + step[1]
+        if np.abs(step).max() < 1e-9:
+            break
+    return float(np.exp(log_alpha)), float(np.exp(-log_inv_bw))
 
-    for op, (alpha, bw) in links.items():
-        if op == ZERO3_FETCH:
-            errs = [(n * alpha + b / bw) / t - 1 for n, b, t in fetches]
-        else:
-            errs = [(alpha + s / bw) / t - 1 for s, ts in blocking.get(op, {}).items() for t in ts]
-        if errs:
-            print(f"  {op}: median |error| {statistics.median(map(abs, errs)):.1%}, "
-                  f"{sum(abs(e) <= 0.25 for e in errs)} of {len(errs)} within 25%, range {min(errs):+.0%}..{max(errs):+.0%}")
+
+def fit_links(own: dict) -> dict:
+    """{row: (alpha, B)} for each row with 2 runs or more."""
+    return {row: fit_link(points) for row, points in own.items() if len(points) >= 2}
+
+
+def check_links(links: dict, own: dict) -> None:
+    for row, (alpha, bw) in links.items():
+        if errs := [(n * alpha + b / bw) / t - 1 for n, b, t in own.get(row, ())]:
+            print(f"  {row}: median error {statistics.median(errs):+.1%}, median |error| "
+                  f"{statistics.median(map(abs, errs)):.1%}, {sum(abs(e) <= 0.25 for e in errs)} of {len(errs)} "
+                  f"within 25%, range {min(errs):+.0%}..{max(errs):+.0%}")
 
 
 def main_links(dirs: str, check: str | None) -> None:
-    links = fit_links(*_link_points(dirs))
+    own = _link_points(dirs)
+    links = fit_links(own)
     print("COLLECTIVES = {")
     for op, (alpha, bw) in links.items():
         print(f'    "{op}": ({alpha * 1e6:.0f}e-6, {bw / 1e9:.3f}e9),')
     print("}")
-    print("in sample (each run's median step, per op and size):")
-    check_links(links, *_link_points(dirs))
+    print("in sample (each run's typical step, per row):")
+    check_links(links, own)
     if check:
         print("out of sample:")
-        check_links(links, *_link_points(check))
+        check_links(links, _link_points(check))
 
 
 def main() -> None:
@@ -192,22 +262,34 @@ def main() -> None:
     ap.add_argument("--check", help="another dump (with --links: runs directory): the fitted model's errors "
                     "there (out of sample)")
     ap.add_argument("--all-runs", action="store_true", help="fit every run, not each strategy's median run")
+    ap.add_argument("--leave-one-out", action="store_true",
+                    help="also predict each dump from the fit on the others (out of sample)")
     a = ap.parse_args()
     if a.links:
         return main_links(a.links, a.check)
     if not a.dump:
         ap.error("give a --dump file, or --links DIR")
-    points = [p for path in a.dump.split(",") for p in _points(path, a.all_runs)]
-    per_gflop, per_tensor = fit(points)
-    print(f"S_PER_GFLOP = {per_gflop[0] * 1e3:.3g}e-3  # about {1 / per_gflop[0]:.0f} GFLOP/s per rank")
-    print(f"S_PER_GFLOP_16BIT = {per_gflop[1] * 1e3:.3g}e-3  # about {1 / per_gflop[1]:.0f} GFLOP/s per rank")
+    paths = a.dump.split(",")
+    points = [p for path in paths for p in _points(path, a.all_runs)]
+    costs, speeds = fit(points)
+    print(f"S_PER_GFLOP = {costs['gflop'] * 1e3:.3g}e-3  # about {1 / costs['gflop']:.0f} GFLOP/s per rank")
     print("S_PER_TENSOR = {")
-    for r, v in per_tensor.items():
-        print(f'    "{r}": {v * 1e3:.3f}e-3,')
+    for r, v in costs.items():
+        if r != "gflop":
+            print(f'    "{r}": {v * 1e3:.3f}e-3,')
     print("}")
-    report(f"in sample ({len(points)} runs)", errors(points, per_gflop, per_tensor))
+    print("each set's host speed: " + ", ".join(f"{s} {v:.2f}" for s, v in speeds.items()))
+    print("the median runs' time outside communication, each shape's calibrated on its fsdp run (fsdp on ddp):")
+    report(f"  in sample ({len(points)} runs fitted)", calibrated_errors(points, costs))
+    report("  cpu_costs' constants, same runs", calibrated_errors(points, current_costs()))
+    if a.leave_one_out and len(paths) > 1:  # each set predicted by the fit on the others
+        errs = []
+        for path in paths:
+            held, _ = fit([p for p in points if p["set"] != path])
+            errs += calibrated_errors([p for p in points if p["set"] == path], held)
+        report("  out of sample (each set by the fit on the others)", errs)
     if a.check:
-        report("out of sample", errors(_points(a.check, a.all_runs), per_gflop, per_tensor))
+        report("  out of sample (--check)", calibrated_errors(_points(a.check, True), costs))
     waits = sync_wait(a.dump.split(","))
     print("SYNC_WAIT = {" + ", ".join(f'"{row}": {v:.2f}' for row, v in waits.items()) + "}")
     if (sp := sp_host(a.dump.split(","))) is not None:

@@ -206,7 +206,8 @@ def main() -> None:
                                "pred_wait_s": sum(c.wait_s for c in e.comms),
                                "sp_collectives": sum(c.count for c in e.comms if c.op in ("all_gather", "reduce_scatter"))
                                if "--sp" in line else 0,
-                               "host_speed": hw.host_speed})
+                               "host_speed": hw.host_speed,
+                               "bf16_flops": r.description.matmul_flops[1] if r.description.matmul_flops else None})
             if max(map(abs, singles)) > worst["single"]:
                 worst["single"], where["single"] = max(map(abs, singles)), f"{shape} {line}"
             typical_cell = "-" if typical_error is None else f"{typical_error:+.1%}"

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from dataclasses import replace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from nbtool.rank.example_models import TinyTransformer
 from nbtool.plan import paper_bytes
-from nbtool.plan.estimate import REDUCE_BUCKET, activations, estimate
+from nbtool.plan.estimate import DDP_INFLIGHT, REDUCE_BUCKET, activations, estimate
 from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training, cublas_workspace
 from nbtool.plan.recommend import recommend
 
@@ -396,7 +397,7 @@ def test_collectives_are_counted_per_op_as_the_strategies_issue_them():
 def test_in_compute_collectives_wait_for_the_other_rank_on_cpu_ranks_only():
     """tp's all-reduces and pp's sends and receives block inside forward and backward: on CPU ranks each
     also waits out the other rank's host jitter, SYNC_WAIT x compute a step on top of the link (measured
-    0.17-0.37 for tp; the table alone put tp 2x short on every shape); data parallelism and GPU ranks
+    0.13-0.27 for tp; the table alone put tp 2x short on every shape); data parallelism and GPU ranks
     carry no such term. The per-op figure, the total and the exposed time all hold it."""
     from nbtool.plan.cpu_costs import SYNC_WAIT
     from nbtool.plan.estimate import P2P
@@ -446,6 +447,29 @@ def test_sequence_parallelism_gathers_and_scatters_what_tp_all_reduces():
         assert sp.compute_s - tp.compute_s == pytest.approx(S_PER_SP_COLLECTIVE * (8 * L + 2) * accum)
         gpu = HARDWARE_PRESETS["8x H100-80GB NVLink"]
         assert estimate("tp", m, t, gpu, tp=2).compute_s == estimate("tp", m, t, gpu, tp=2, sp=False).compute_s
+
+
+def test_ddp_buckets_as_torch_makes_them():
+    """torch's default buckets cap the first at 1 MiB (backward's first gradients leave early) and the
+    rest at 25 MiB; --bucket-mb caps them all (measured: 2 all-reduces a step for 1.5-15 MB of fp32
+    gradients under the default). On CPU ranks their time is their own row, in flight while backward
+    runs; elsewhere the all-reduce's link."""
+    from nbtool.plan.cpu_costs import COLLECTIVES
+    from nbtool.plan.estimate import ddp_buckets
+
+    assert [ddp_buckets(b) for b in (2**19, 2**20, 1.5e6, 15e6, 2**20 + 25 * 2**20, 27 * 2**20)] == [1, 1, 2, 2, 2, 3]
+    assert [ddp_buckets(15e6, c) for c in (16 * 2**20, 2**20, 0.05 * 2**20)] == [1, 15, 287]
+    m = ModelShape(3_760_000, layers=2, hidden=384, heads=6, vocab=256, seq=32)
+    t = Training(micro_batch=8, seq=32, precision="fp32")
+    cpu, gpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"], HARDWARE_PRESETS["8x H100-80GB NVLink"]
+    e = estimate("ddp", m, t, cpu)
+    (comm,) = e.comms
+    assert (comm.op, comm.link, comm.count) == ("all_reduce", DDP_INFLIGHT, 2)
+    alpha, bw = COLLECTIVES[DDP_INFLIGHT]
+    assert e.comm_s == pytest.approx(2 * alpha + comm.bus_bytes / bw)
+    assert estimate("ddp", m, t, cpu, ddp_bucket=16 * 2**20).comms[0].count == 1
+    on_gpu = estimate("ddp", m, t, gpu)
+    assert on_gpu.comm_s == pytest.approx(gpu.collective_s("all_reduce", 8, 2, on_gpu.comms[0].bus_bytes))
 
 
 def test_calibration_fits_an_op_its_run_timed_in_enough_sizes():
@@ -652,6 +676,22 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     # puts each op's blocked time next to its prediction
     fetches = versus(runs["zero3"], hw, "run 'ddp'").row("    all_gather")
     assert fetches.measured > 0 and fetches.predicted > 0 and "the planner counts" not in fetches.note, fetches
+    # ZeRO-3's compute is its step less the time blocked on collectives, not less their in-flight union:
+    # prefetches are in flight while forward computes (that time had been in neither term)
+    from nbtool import run_analysis
+    from nbtool.plan.versus import measured_compute_s
+
+    steps = run_analysis.steady_steps(runs["zero3"])
+    assert sum(s["comm_s"] > s["exposed_s"] for s in steps) >= len(steps) - 1, steps  # in flight, not blocked
+    assert zero3.measured == measured_compute_s(runs["zero3"]) == statistics.median(s["seconds"] - s["exposed_s"]
+                                                                                    for s in steps)
+    assert "blocked on collectives" in zero3.source, zero3
+    # DDP's reducer waits in C++: its compute is the step less the buckets' in-flight union, which the
+    # planner gives DDP's buckets (their own row on CPU ranks), counted as torch makes them
+    ddp_steps = run_analysis.steady_steps(runs["ddp"])
+    assert own.measured == statistics.median(s["compute_s"] for s in ddp_steps) and "comm busy time" in own.source
+    ddp = versus(runs["ddp"], hw, "itself").estimate
+    assert [(c.link, c.count) for c in ddp.comms] == [(DDP_INFLIGHT, statistics.median(s["count"] for s in ddp_steps))]
 
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import bucket_element_bytes, line_of
-from .estimate import REDUCE_BUCKET, estimate
+from .estimate import DDP_INFLIGHT, REDUCE_BUCKET, estimate
 from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes,
                      run_estimate, spec_of, typical_step, zero_config)
 
@@ -65,17 +65,18 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     e, hw = result.estimate, result.hardware
     out = []
     summary = run_analysis.summary(run)
-    alpha, _ = hw.bandwidth(run.world_size, "all_reduce")
     if spec.name == "ddp":
         buckets = measure(run, "collectives / step")
         grads_mb = 4 * shape.params / 2**20
         bucket_mb = max(1, math.ceil(grads_mb * 1.05))  # every gradient in one bucket
         if buckets >= 2 and (spec.bucket_mb or 25) < bucket_mb * 4:
-            saved = (buckets - 1) * alpha
+            alpha, _ = hw.bandwidth(run.world_size, DDP_INFLIGHT, "all_reduce")
+            e2 = run_estimate(run, hw, ddp_bucket=bucket_mb * 2**20)
+            saved = e.step_s - e2.step_s
             out.append((saved, Suggestion(
                 line_of(replace(spec, bucket_mb=float(bucket_mb))),
                 f"{buckets:.0f} gradient all-reduces per step, each paying the link's latency "
-                f"(alpha {alpha * 1e6:.0f} us measured)", "collectives / step", buckets, 1.0,
+                f"(alpha {alpha * 1e6:.0f} us)", "collectives / step", buckets, 1.0,
                 f"1 all-reduce per step (all {format_bytes(4 * shape.params)} of gradients in one bucket), "
                 f"step time {-saved * 1e3:+.1f} ms; no overlap of the all-reduce with backward left", run.name)))
     if spec.name == "fsdp" and spec.reshard_after_forward and pp == 1 and tp == 1:

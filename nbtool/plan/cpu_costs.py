@@ -9,80 +9,92 @@ term is
 
     host_speed x (S_PER_GFLOP x GFLOP per rank + S_PER_TENSOR[strategy] x parameter tensors per rank)
 
-(S_PER_GFLOP_16BIT for bf16 / fp16 runs) with the constants below fitted by
-``benchmarks/fit_cpu_costs.py`` (least squares on relative error) to 48 runs
-of ``benchmarks/plan_accuracy.py``: two runs of 3 model shapes x 8
-strategies, each strategy's median of 3 interleaved runs, the time per step
-being the median of steps 2..N; 2 gloo ranks of a 2-core x86 VM (AMD EPYC),
-torch 2.13 CPU build, one thread per rank. There ``host_speed`` is 1; a run
-on another machine calibrates it (``nbtool.plan.versus.calibrate``: its
-measured time outside communication over this model's). bf16 matmuls ran
-about 2.5x faster per FLOP than fp32 on this CPU (the wide shape's fsdp: 57
-against 114 ms), hence the second FLOP rate. That rate is the CPU's, not
-the model's: where the ranks measured theirs (``Hardware.matmul_flops``,
-nbtool.rank.matmul_probe) a bf16 run's FLOPs take their time at the measured
-bf16 rate instead, not scaled by ``host_speed`` (which, on CPU ranks, is
-mostly the host's per-tensor work). On an AVX2-only AMD EPYC VM, where bf16 is
-emulated (4.3 against fp32's 50 GFLOP/s in the probe), fsdp bf16 compute was
-predicted within -5..+7% on the deep and Llama shapes and -5..-20% on the
-tutorial's; the fp32 rate x host_speed x the probe's ratio had put it +14% to
-+95% off, the reference's bf16 rate -81%.
+with the constants below fitted by ``benchmarks/fit_cpu_costs.py`` to the
+time outside communication (``nbtool.plan.versus.measured_compute_s``: step
+time less the time blocked on collectives) of 245 runs of
+``benchmarks/plan_accuracy.py`` in 13 sets, hours to days apart (5 model shapes:
+TinyTransformer tutorial, wide and deep, a Llama, a GPT-2; 8 strategies), 2
+gloo ranks of a 2-core x86 VM (AMD EPYC), torch 2.13 CPU build, one thread per
+rank. Each set has its own host speed in the fit (this machine's speed moved
+by up to 40% between sessions; the planner only uses the model's ratios
+between strategies, a calibration run setting the speed), their geometric
+mean 1: ``host_speed`` 1 is a typical session here, and a run on another
+machine calibrates it (``nbtool.plan.versus.calibrate``: its measured time
+outside communication over this model's). The earlier constants, fitted
+with one speed for every session (and to the step less comm busy time),
+predicted each set's median runs from its fsdp run with a median error of
+13.7% (141 of 174 within 25%; by strategy ddp +16%, ZeRO-1 +24%, tp -16%,
+pp +20%, the same sign on every shape); these, each set predicted by the fit
+on the other 12, 8.6% (166 of 174; every strategy within 7% at the median).
 
-Fitted on models of 38-198 parameter tensors and 0.3-6 GFLOP per rank per
-step: in sample 43 of 48 runs within 25% (median 9%, worst 35%, deep tp).
-Fitted on the first of the two runs alone, the second, out of sample, had 18
-of 24 within 25% (median 16%, worst 44%): the same cell's time moves that
-much between runs 20 minutes apart on this machine. Outside that range it is
-rougher: with a 2-sample batch of the default TinyTransformer an earlier fit
-put zero3 at 2x its time.
+A bf16 run's FLOPs take their time at the ranks' measured bf16 rate
+(``Hardware.matmul_flops``, nbtool.rank.matmul_probe), not scaled by
+``host_speed`` (which, on CPU ranks, is mostly the host's per-tensor work);
+S_PER_GFLOP_16BIT (bf16 2.5x faster per FLOP than fp32, an AVX512-BF16
+machine's) stands where the ranks did not measure it. On an AVX2-only AMD
+EPYC VM, where bf16 is emulated (4.3 against fp32's 50 GFLOP/s in the
+probe), fsdp bf16 compute was predicted within -5..+7% on the deep and Llama
+shapes and -5..-20% on the tutorial's; the fp32 rate x host_speed x the
+probe's ratio had put it +14% to +95% off, the reference's bf16 rate -81%.
+
+Fitted on models of 19-198 parameter tensors and 0.3-5.8 GFLOP per rank per
+step; outside that range it is rougher: with a 2-sample batch of the default
+TinyTransformer an earlier fit put zero3 at 2x its time.
 """
 from __future__ import annotations
 
 from .layouts import Layout
 
-S_PER_GFLOP = 15.9e-3  # forward + backward, 6 Psi tokens, fp32; about 63 GFLOP/s per rank
-S_PER_GFLOP_16BIT = 6.24e-3  # in bf16 / fp16 (FSDP's MixedPrecisionPolicy): about 160 GFLOP/s per rank
+S_PER_GFLOP = 19.0e-3  # forward + backward, 6 Psi tokens, fp32; about 53 GFLOP/s per rank
+S_PER_GFLOP_16BIT = 6.24e-3  # in bf16 / fp16 where the ranks did not measure their rate: about 160 GFLOP/s
 S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
-    "ddp": 0.104e-3,
-    "zero1": 0.187e-3,
-    "zero2": 0.174e-3,
-    "zero3": 0.543e-3,
-    "fsdp": 0.497e-3,
-    "fsdp bf16": 0.606e-3,
-    "tp": 0.505e-3,
-    "pp": 0.294e-3,
+    "ddp": 0.174e-3,
+    "zero1": 0.222e-3,
+    "zero2": 0.285e-3,
+    "zero3": 1.082e-3,
+    "fsdp": 0.898e-3,
+    "fsdp bf16": 0.811e-3,
+    "tp": 1.038e-3,
+    "pp": 0.331e-3,
 }
 
-# What each collective costs 2 gloo CPU ranks in training, per op: (alpha s, bus bytes/s), fitted by
-# ``benchmarks/fit_cpu_costs.py --links`` on the median time per size of every collective the rank-0
-# thread blocked on (from the later of both ranks' issue) in one plan_accuracy run of every shape and
-# strategy. A quiet %commbench sweep of the same machine gives alpha 0.3 ms, B 1.2 GB/s: in training
-# each collective also waits for the other rank, which arrives later by a jittery step of host work.
-# gloo's reduce-scatter is an all-reduce plus flat copies: twice the time per bus byte of an all-gather.
+# What each collective costs 2 gloo CPU ranks in training: (alpha s, bus bytes/s) per row, fitted by
+# ``benchmarks/fit_cpu_costs.py --links`` to a typical step (the median over steps) of each run of the
+# same 13 sets: per op, the count, bus bytes and seconds the rank-0 thread blocked on that op (the
+# data-parallel runs: tp's and pp's wait for the other rank is SYNC_WAIT's); ZeRO-3's fetches, the
+# seconds waited on them; DDP's bucket all-reduces, their in-flight union, which DDP's measured compute
+# leaves to them (the reducer waits in C++, unseen; in flight as backward runs on the same cores, each
+# took 5 ms, against the blocking all-reduce's 1.2). Least squares on log(predicted / measured): on the
+# relative error the fit came out 7-48% short of the median step (blocked times are skewed by the
+# waits for the other rank). A quiet %commbench sweep of the same machine gives alpha 0.3 ms, B 1.2
+# GB/s: in training each collective also waits for the other rank, which arrives later by a jittery
+# stretch of host work. gloo's reduce-scatter is an all-reduce plus flat copies.
 COLLECTIVES = {
-    "all_reduce": (805e-6, 1.001e9),
-    "all_gather": (1149e-6, 0.939e9),
-    "reduce_scatter": (1533e-6, 0.432e9),
-    "all_gather (ZeRO-3 fetch)": (546e-6, 0.682e9),
+    "all_reduce": (1162e-6, 1.013e9),
+    "all_gather": (1556e-6, 0.987e9),
+    "reduce_scatter": (2382e-6, 0.346e9),
+    "all_gather (ZeRO-3 fetch)": (641e-6, 0.733e9),
+    "all_reduce (DDP bucket)": (5406e-6, 1.354e9),
 }
 
 # Tensor parallelism's all-reduces and a pipeline's sends and receives sit inside forward and backward,
 # a few ms of host work apart; the thread blocks on each until the other rank gets there, so on top of
 # the link time it waits out whatever delayed the other rank since the last one (a preemption, a halted
 # vCPU's wake-up: this 2-core VM wakes one in about 4 ms). That wait grows with the work between them:
-# beyond the table above, 0.17-0.37 x the step's compute for tp (the median by model shape, 5 shapes),
-# 0.06-0.25 for pp. Per row, the median over its 47 runs (3 shapes x 3 repeats x 5 sessions, a Llama, a GPT-2) of
-# ``plan_accuracy.py`` of (exposed comm measured - the link's time) / compute, fitted by
+# beyond the table above, 0.13-0.27 x the step's compute for tp (the median by model shape, 5 shapes),
+# 0.46-0.75 for pp, whose time outside compute is its comm busy time (a stage waits out the bubble in a
+# receive: nbtool.plan.versus.measured_compute_s). Per row, the median over its runs (tp 19, pp 10, of
+# the same sets) of (step time less measured compute - the link's time) / predicted compute, fitted by
 # ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
 # where the ranks meet anyway, and the table's fit already holds their wait.
-SYNC_WAIT = {"tp": 0.27, "pp": 0.18}
+SYNC_WAIT = {"tp": 0.20, "pp": 0.48}
 
 # Sequence parallelism's host work per all-gather or reduce-scatter (DTensor's redistribute: dispatch,
 # the gathered output's cat, the shard's copy), seconds at host_speed 1: tp --sp's time outside
-# communication less tp's, over host_speed x those collectives, in one plan_accuracy run of 4 shapes
-# (tutorial, wide, deep, GPT-2: 0.35-0.91 ms; the median). Its all-gathers and reduce-scatters wait for
+# communication less the model's for tp, over host_speed x those collectives, the median over the
+# tp --sp runs of the same sets (5 shapes). Its all-gathers and reduce-scatters wait for
 # the other rank no more than FSDP's, on whose runs the table above was fitted: no SYNC_WAIT for them.
-S_PER_SP_COLLECTIVE = 0.60e-3
+S_PER_SP_COLLECTIVE = 0.85e-3
 
 
 def _row(layout: Layout, precision: str) -> str:

@@ -89,7 +89,8 @@ Sources, per figure:
   pipelines 2 sends of s b h per micro-batch per stage boundary (16-bit, or
   fp32 without mixed precision).
 - collectives per step, per op (``Estimate.comms``; each pays alpha once),
-  as the recorder counts them: DDP one all-reduce per 25 MB bucket; FSDP per
+  as the recorder counts them: DDP one all-reduce per bucket (torch's
+  default: a first bucket of 1 MiB, then 25 MiB ones); FSDP per
   unit (one per block plus the root's) one reduce-scatter and one all-gather
   (two when resharded after forward); ZeRO-1/2 one all-reduce per
   reduce_bucket_size and one all-gather per allgather_bucket_size; ZeRO-3
@@ -103,8 +104,9 @@ Sources, per figure:
   transfers (device <-> host) are not hidden. Each op costs count x alpha
   + bus bytes / B on its own link where the hardware has one
   (``Hardware.op_links``: ``%commbench``'s fit per op; on CPU ranks the
-  in-training table nbtool.plan.cpu_costs.COLLECTIVES, ZeRO-3's fetches a
-  row of their own), else the node's link. On CPU
+  in-training table nbtool.plan.cpu_costs.COLLECTIVES, ZeRO-3's fetches and
+  DDP's buckets, in flight while backward runs, rows of their own), else the
+  node's link. On CPU
   ranks (``Hardware.host_speed`` set) compute is the measured per-strategy
   model of nbtool.plan.cpu_costs (FLOPs plus the host's work per parameter
   tensor), and no communication is hidden: gloo shares the cores; the
@@ -131,6 +133,7 @@ from .model_states import OPTIMIZER_STATE_BYTES, PERSISTENCE_THRESHOLD, expected
 MFU = 0.4
 RESERVE = 0.10  # keep 10% of device memory free (allocator fragmentation, CUDA context)
 DDP_BUCKET = 25 * 2**20
+DDP_FIRST_BUCKET = 2**20  # torch's dist._DEFAULT_FIRST_BUCKET_BYTES, where bucket_cap_mb is left at its default
 # DeepSpeed's default reduce_bucket_size (elements): ZeRO allocates a gradient bucket of this many
 # elements of the gradient dtype whatever the model's size (measured: 2 GB in fp32 on CPU ranks)
 REDUCE_BUCKET = 500_000_000
@@ -141,6 +144,9 @@ REUSE_LIMIT = 1_000_000_000
 P2P = "send/recv"
 # the op link of ZeRO-3's parameter fetches (all-gathers issued ahead and waited on), where it has its own
 ZERO3_FETCH = "all_gather (ZeRO-3 fetch)"
+# the op link of DDP's bucket all-reduces, where it has its own (CPU ranks: their in-flight union, which the
+# recorder leaves out of DDP's compute since the reducer's wait is not observable)
+DDP_INFLIGHT = "all_reduce (DDP bucket)"
 # DeepSpeed's default allgather_bucket_size (elements): ZeRO-1/2 gather the updated partitions in buckets of this
 ALLGATHER_BUCKET = 500_000_000
 DEFAULT_SEQ = 2048
@@ -392,7 +398,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
-             tied: tuple = (), prefetch_bucket: int | None = None) -> Estimate:
+             tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``prefetch_bucket``: ZeRO-3's
@@ -405,7 +411,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     parallelism with tp (the layouts the planner recommends use it; a run says whether it did);
     ``overlap_comm``: ZeRO-1/2's --overlap-comm (a second reduce bucket, to fill while the first is reduced);
     ``tied``: the elements of each weight tied across pipeline stages (GPT-2's embedding and head: a copy
-    on each stage holding either, whose gradients nbtool all-reduces over pp every step)."""
+    on each stage holding either, whose gradients nbtool all-reduces over pp every step); ``ddp_bucket``: DDP's
+    bucket_cap_mb in bytes (--bucket-mb; None: torch's default, a first bucket of 1 MiB, then 25 MiB ones)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -513,7 +520,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     reduce_at = None  # FSDP's (buffers, activations) as a unit's gradients are reduce-scattered
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
-        e.add_comm(hw, "all_reduce", n, math.ceil(psi * g / DDP_BUCKET), 2 * frac * psi * g * compress)
+        e.add_comm(hw, "all_reduce", n, ddp_buckets(psi * g, ddp_bucket), 2 * frac * psi * g * compress,
+                   link=DDP_INFLIGHT)
     elif layout.is_fsdp:
         w = 2 if mixed else 4
         unit = largest if not m.layers else max(largest, _block_params(m))
@@ -633,6 +641,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
                     buffers_at_step=layout == DDP, reduce_at=reduce_at)
     return e
+
+
+def ddp_buckets(grad_bytes: float, cap: float | None = None) -> int:
+    """DDP's gradient buckets a step: torch's default (``cap`` None) caps the first at 1 MiB, so that
+    backward's first gradients leave early, and the others at 25 MiB; an explicit cap applies to all
+    (measured: 2 all-reduces a step for 1.5-15 MB of gradients under the default, 1 with --bucket-mb 16)."""
+    first, cap = (DDP_FIRST_BUCKET, DDP_BUCKET) if cap is None else (cap, cap)
+    return 1 + math.ceil(max(0.0, grad_bytes - first) / cap)
 
 
 def sequence(m: ModelShape, t: Training) -> tuple[int, bool]:
