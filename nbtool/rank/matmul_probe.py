@@ -14,14 +14,20 @@ import time
 
 SHAPE = (256, 128, 512)  # tokens x in x out: a transformer MLP's first matrix at the planner's test shapes
 REPEATS = 5
+# rounds of REPEATS per dtype, fp32 and bf16 in turn, the fastest round kept: on a 2-core VM one round
+# read bf16 at 2.8-3.1 GFLOP/s in a slow spell and 4.0-4.4 outside it: a session whose probe read 3.0
+# put its fsdp bf16 steps 10-41% long, the same runs judged with 4.1 -11..+10% (4 shapes x 2 runs)
+ROUNDS = 3
 
 
 @functools.lru_cache(maxsize=None)
 def matmul_flops() -> tuple[float, float]:
     """(fp32, bf16) FLOP/s of one Linear layer's forward and backward on this thread's cores (6 m k n
-    FLOP, median of REPEATS after a warm-up; once per process: 0.2-0.7 s where bf16 is emulated)."""
+    FLOP; per dtype the fastest of ROUNDS medians of REPEATS after a warm-up; once per process: 0.5-1 s
+    where bf16 is emulated)."""
     m, k, n = SHAPE
-    return 6 * m * k * n / _seconds("float32"), 6 * m * k * n / _seconds("bfloat16")
+    rounds = [(_seconds("float32"), _seconds("bfloat16")) for _ in range(ROUNDS)]
+    return 6 * m * k * n / min(r[0] for r in rounds), 6 * m * k * n / min(r[1] for r in rounds)
 
 
 def _seconds(dtype: str) -> float:
