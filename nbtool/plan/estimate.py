@@ -646,7 +646,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
 def ddp_buckets(grad_bytes: float, cap: float | None = None) -> int:
     """DDP's gradient buckets a step: torch's default (``cap`` None) caps the first at 1 MiB, so that
     backward's first gradients leave early, and the others at 25 MiB; an explicit cap applies to all
-    (measured: 2 all-reduces a step for 1.5-15 MB of gradients under the default, 1 with --bucket-mb 16)."""
+    (measured: 2 all-reduces a step for 1.5-15 MB of gradients under the default, 1 with a --bucket-mb that
+    holds them all: the advice test in tests/test_metrics.py)."""
     first, cap = (DDP_FIRST_BUCKET, DDP_BUCKET) if cap is None else (cap, cap)
     return 1 + math.ceil(max(0.0, grad_bytes - first) / cap)
 
