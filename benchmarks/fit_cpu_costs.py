@@ -101,9 +101,9 @@ def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
     return dict(zip(["gflop"] + rows, map(float, theta))), {s: float(speed[i][0]) / mean for s, i in zip(sets, index)}
 
 
-def calibrated_errors(points: list[dict], costs: dict, base: str = "fsdp") -> list[tuple[str, float]]:
-    """Each median run's time outside communication predicted as plan_accuracy does: its shape's run
-    of ``base`` (the other of ddp and fsdp for ``base`` itself) sets the host speed, the model the rest."""
+def calibrated_errors(points: list[dict], costs: dict) -> list[tuple[str, float]]:
+    """Each median run's time outside communication predicted as plan_accuracy does: its shape's fsdp
+    run (ddp's for fsdp itself) sets the host speed, the model the rest."""
     def model(p):
         return (0.0 if p["half"] else costs["gflop"] * p["gflop"]) + costs[p["row"]] * p["tensors"]
 
@@ -114,7 +114,7 @@ def calibrated_errors(points: list[dict], costs: dict, base: str = "fsdp") -> li
     out = []
     for by_run in runs.values():
         for run, p in by_run.items():
-            b = by_run.get(("ddp" if base == "fsdp" else "fsdp") if run == base else base)
+            b = by_run.get("ddp" if run == "fsdp" else "fsdp")
             if b is not None:
                 speed = (b["measured"] - b["fixed"]) / model(b)
                 out.append((p["key"], (speed * model(p) + p["fixed"]) / p["measured"] - 1))
@@ -290,9 +290,9 @@ def main() -> None:
         report("  out of sample (each set by the fit on the others)", errs)
     if a.check:
         report("  out of sample (--check)", calibrated_errors(_points(a.check, True), costs))
-    waits = sync_wait(a.dump.split(","))
+    waits = sync_wait(paths)
     print("SYNC_WAIT = {" + ", ".join(f'"{row}": {v:.2f}' for row, v in waits.items()) + "}")
-    if (sp := sp_host(a.dump.split(","))) is not None:
+    if (sp := sp_host(paths)) is not None:
         print(f"S_PER_SP_COLLECTIVE = {sp * 1e3:.2f}e-3")
 
 
