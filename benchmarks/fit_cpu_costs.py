@@ -8,21 +8,25 @@
 The model (see nbtool/plan/cpu_costs.py): seconds per step outside
 communication = host speed x (S_PER_GFLOP x fp32 GFLOP per rank +
 S_PER_TENSOR[row] x parameter tensors per rank), one S_PER_TENSOR per
-strategy row; a bf16 run's FLOPs take their time at the ranks' measured bf16
+strategy row, and for pp one per tensor and micro-batch too
+(S_PER_TENSOR_MICROBATCH: fitted where the runs' micro-batch counts differ,
+``plan_accuracy.py --strategies 'pp --microbatches 2,pp,pp --microbatches
+8'``); a bf16 run's FLOPs take their time at the ranks' measured bf16
 rate (the dump's ``bf16_flops``), outside the host speed. Each dump (one
 session's set) has its own host speed, fitted with the constants (least
 squares on the relative error): this machine's speed moved by up to 40%
 between sessions, and the planner uses only the model's ratios between
 strategies (a calibration run sets the speed). Fitted on the median run of
 each strategy and shape (``--all-runs``: every run). A pipeline's measured
-time holds its bubble: it is taken out as the planner adds it back (compute x
-bubble). Prints the constants in cpu_costs' form, each set's speed, and the
-errors of each median run predicted as plan_accuracy predicts it (its
+compute leaves its bubble out (its stages wait it out in a receive), as the
+planner adds it on top. Prints the constants in cpu_costs' form, each set's
+speed, and the errors of each median run predicted as plan_accuracy predicts it (its
 shape's fsdp run calibrating the speed, ddp's for fsdp) in sample and with
 cpu_costs' current constants; ``--leave-one-out``: each dump predicted by the
 fit on the others; ``--check``: the errors on another dump (out of sample).
 Then SYNC_WAIT: per tp and pp, the median over its runs of (step time less
-its measured compute - the planner's link time) / the planner's compute;
+its measured compute - the planner's link time and bubble) / the planner's
+compute;
 and S_PER_SP_COLLECTIVE from the tp --sp runs (kept out of the fit above).
 
 ``--links``: the in-training collective table (cpu_costs.COLLECTIVES) from
@@ -46,10 +50,11 @@ import statistics
 import numpy as np
 
 ROWS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp bf16", "tp", "pp")
+MICRO_ROWS = ("pp",)  # rows with a term per tensor and micro-batch too (cpu_costs.S_PER_TENSOR_MICROBATCH)
 
 
 def _row(run: str) -> str:
-    return "fsdp bf16" if run == "fsdp --precision bf16" else run
+    return "fsdp bf16" if run == "fsdp --precision bf16" else run.split(" --microbatches")[0]
 
 
 def _points(path: str, all_runs: bool) -> list[dict]:
@@ -59,7 +64,6 @@ def _points(path: str, all_runs: bool) -> list[dict]:
     for d in json.load(open(path)):
         if (not all_runs and not d.get("median", True)) or d.get("sp_collectives"):
             continue  # sequence parallelism's own host term is fitted apart (sp_host)
-        bubble = d["pred_bubble_s"] / d["pred_compute_s"] if d["pred_compute_s"] else 0.0
         half = "bf16" in d["run"]
         gflop = 6 * d["params"] * d["tokens"] / (d["tp"] * d["pp"]) / 1e9
         if half and not d.get("bf16_flops"):
@@ -67,13 +71,16 @@ def _points(path: str, all_runs: bool) -> list[dict]:
         out.append({"set": path, "shape": d["shape"], "run": d["run"], "median": d.get("median", True),
                     "key": f"{d['shape']} {d['run']}", "row": _row(d["run"]), "half": half, "gflop": gflop,
                     "fixed": gflop * 1e9 / d["bf16_flops"] if half else 0.0,
-                    "tensors": d["tensors"] / d["pp"], "measured": d["compute_s"] / (1 + bubble)})
+                    "tensors": d["tensors"] / d["pp"], "measured": d["compute_s"],
+                    "micro": d.get("micro_batches", 1) if _row(d["run"]) in MICRO_ROWS else 1})
     return out
 
 
-def _features(p: dict, rows: list) -> list:
-    """What host_speed scales: the fp32 FLOPs and the parameter tensors (in the run's row)."""
-    return [0.0 if p["half"] else p["gflop"]] + [p["tensors"] if p["row"] == r else 0.0 for r in rows]
+def _features(p: dict, rows: list, micro_rows: list) -> list:
+    """What host_speed scales: the fp32 FLOPs, the parameter tensors (in the run's row) and, in the rows
+    with one, the tensors x micro-batches."""
+    return ([0.0 if p["half"] else p["gflop"]] + [p["tensors"] if p["row"] == r else 0.0 for r in rows]
+            + [p["tensors"] * p["micro"] if p["row"] == r else 0.0 for r in micro_rows])
 
 
 def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
@@ -85,8 +92,10 @@ def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
     the constants (linear, the speeds fixed) and the speeds (closed form, the constants fixed); the
     speeds' geometric mean is 1, so the constants are those of a typical session here."""
     rows = [r for r in ROWS if any(p["row"] == r for p in points)]
+    # a row's micro-batch term where its runs had different micro-batch counts (else it is the row's own)
+    micro_rows = [r for r in MICRO_ROWS if len({p["micro"] for p in points if p["row"] == r}) > 1]
     sets = sorted({p["set"] for p in points})
-    x = np.array([_features(p, rows) for p in points])
+    x = np.array([_features(p, rows, micro_rows) for p in points])
     measured = np.array([p["measured"] for p in points])
     target = 1 - np.array([p["fixed"] for p in points]) / measured
     index = [np.array([p["set"] == s for p in points]) for s in sets]
@@ -98,14 +107,16 @@ def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
             speed[i] = scaled[i] @ target[i] / (scaled[i] @ scaled[i])
     mean = float(np.exp(np.mean([np.log(speed[i][0]) for i in index])))
     theta = theta * mean
-    return dict(zip(["gflop"] + rows, map(float, theta))), {s: float(speed[i][0]) / mean for s, i in zip(sets, index)}
+    names = ["gflop"] + rows + [f"{r} micro" for r in micro_rows]
+    return dict(zip(names, map(float, theta))), {s: float(speed[i][0]) / mean for s, i in zip(sets, index)}
 
 
 def calibrated_errors(points: list[dict], costs: dict) -> list[tuple[str, float]]:
     """Each median run's time outside communication predicted as plan_accuracy does: its shape's fsdp
     run (ddp's for fsdp itself) sets the host speed, the model the rest."""
     def model(p):
-        return (0.0 if p["half"] else costs["gflop"] * p["gflop"]) + costs[p["row"]] * p["tensors"]
+        return ((0.0 if p["half"] else costs["gflop"] * p["gflop"])
+                + (costs[p["row"]] + costs.get(f"{p['row']} micro", 0.0) * p["micro"]) * p["tensors"])
 
     runs: dict = {}
     for p in points:
@@ -124,20 +135,22 @@ def calibrated_errors(points: list[dict], costs: dict) -> list[tuple[str, float]
 def current_costs() -> dict:
     from nbtool.plan import cpu_costs
 
-    return {"gflop": cpu_costs.S_PER_GFLOP, **cpu_costs.S_PER_TENSOR}
+    return {"gflop": cpu_costs.S_PER_GFLOP, **cpu_costs.S_PER_TENSOR,
+            **{f"{r} micro": v for r, v in cpu_costs.S_PER_TENSOR_MICROBATCH.items()}}
 
 
 def sync_wait(paths: list[str]) -> dict:
     """{row: the median over its runs of (the step's time outside compute measured - the planner's link
-    time) / predicted compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs
+    time and bubble) / predicted compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs
     scatter too much for its median run alone). Outside compute: tp's blocked time; a pipeline's comm
     busy time, as its compute is measured (nbtool.plan.versus.measured_compute_s)."""
     out: dict = {}
     for path in paths:
         for d in json.load(open(path)):
-            if d["run"] in ("tp", "pp") and d["compute_s"] is not None and d["pred_compute_s"]:
-                link = d["pred_exposed_s"] - d.get("pred_wait_s", 0.0)
-                out.setdefault(d["run"], []).append((d["step_s"] - d["compute_s"] - link) / d["pred_compute_s"])
+            if _row(d["run"]) in ("tp", "pp") and d["compute_s"] is not None and d["pred_compute_s"]:
+                link = d["pred_exposed_s"] - d.get("pred_wait_s", 0.0) + d["pred_bubble_s"]  # and theory's bubble
+                wait = (d["step_s"] - d["compute_s"] - link) / d["pred_compute_s"]
+                out.setdefault(_row(d["run"]), []).append(wait)
     return {row: statistics.median(v) for row, v in out.items()}
 
 
@@ -275,9 +288,11 @@ def main() -> None:
     print(f"S_PER_GFLOP = {costs['gflop'] * 1e3:.3g}e-3  # about {1 / costs['gflop']:.0f} GFLOP/s per rank")
     print("S_PER_TENSOR = {")
     for r, v in costs.items():
-        if r != "gflop":
+        if r != "gflop" and not r.endswith(" micro"):
             print(f'    "{r}": {v * 1e3:.3f}e-3,')
     print("}")
+    print("S_PER_TENSOR_MICROBATCH = {" + ", ".join(f'"{r[:-6]}": {v * 1e3:.3f}e-3' for r, v in costs.items()
+                                                    if r.endswith(" micro")) + "}")
     print("each set's host speed: " + ", ".join(f"{s} {v:.2f}" for s, v in speeds.items()))
     print("the median runs' time outside communication, each shape's calibrated on its fsdp run (fsdp on ddp):")
     report(f"  in sample ({len(points)} runs fitted)", calibrated_errors(points, costs))

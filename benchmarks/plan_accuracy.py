@@ -62,6 +62,8 @@ SHAPES = {  # the model each shape builds (on every rank, from its config: nothi
 }
 DEFAULT_SHAPES = ("tutorial", "wide", "deep", "llama")
 STRATEGIES = ("ddp", "fsdp", "fsdp --precision bf16", "zero1", "zero2", "zero3", "tp", "tp --sp", "pp")
+# asked for by name only: the pipeline's host work per micro-batch (pp's default is 4 on 2 ranks)
+MORE = ("pp --microbatches 2", "pp --microbatches 8")
 CELL = """%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
@@ -98,16 +100,17 @@ def main() -> None:
     ap.add_argument("--save", metavar="DIR", help="also write every run's records there (nbtool.metrics.export)")
     ap.add_argument("--load", metavar="DIR", help="judge the runs --save wrote there instead of running cells")
     ap.add_argument("--strategies", default=",".join(STRATEGIES),
-                    help="a subset to look at one term (ddp and fsdp are added: they calibrate the others)")
+                    help="a subset to look at one term (ddp and fsdp are added: they calibrate the others); "
+                    f"also {', '.join(MORE)}")
     a = ap.parse_args()
     asked = a.strategies.split(",")
-    if unknown := sorted(set(asked) - set(STRATEGIES)):
-        ap.error(f"--strategies: {', '.join(unknown)} not among {', '.join(STRATEGIES)}")
+    if unknown := sorted(set(asked) - set(STRATEGIES + MORE)):
+        ap.error(f"--strategies: {', '.join(unknown)} not among {', '.join(STRATEGIES + MORE)}")
     if unknown := sorted(set(a.shapes.split(",")) - set(SHAPES)):
         ap.error(f"--shapes: {', '.join(unknown)} not among {', '.join(SHAPES)}")
     if a.repeat < 1 or a.steps < 2:
         ap.error("--repeat must be >= 1 and --steps >= 2 (step 1 holds the set-up and is left out)")
-    chosen = [line for line in STRATEGIES if line in asked or line in ("ddp", "fsdp")]
+    chosen = [line for line in STRATEGIES + MORE if line in asked or line in ("ddp", "fsdp")]
     import os
     import statistics
 
@@ -198,6 +201,7 @@ def main() -> None:
                 dumped.append({"shape": shape, "run": line, "median": r is run, "params": mshape.params,
                                "tensors": len(mshape.numels), "tp": tp, "pp": pp,
                                "tokens": training.micro_batch * (training.seq or 0) * training.grad_accum,
+                               "micro_batches": training.grad_accum,
                                "step_s": typical_step(r), "mean_step_s": summ["step_s"],
                                "comm_busy_s": summ["comm_s_per_step"], "exposed_s": summ["exposed_s_per_step"],
                                "compute_s": measured_compute_s(r), "pred_compute_s": e.compute_s,

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import re
+import statistics
 from collections import Counter
 
 import pytest
@@ -224,6 +225,18 @@ def test_pp_sends_one_activation_per_microbatch_and_measures_its_bubble(ranks, s
 
     rows = bubble_table(run)
     assert [r["stage"] for r in rows] == [0, 1] and all(0 <= r["bubble"] < 1 for r in rows)
+    from nbtool.plan.estimate import P2P
+    from nbtool.plan.versus import calibrate, measured_compute_s, versus
+
+    # calibrated on itself the planner's compute is the run's (the step less comm busy time: a stage waits
+    # out the bubble in a receive), and theory's bubble goes on top: (p-1)/m of it, 1/5 of the two
+    hw = calibrate(run)
+    v = versus(run, hw, "this run")
+    compute, idle = v.row("  compute"), v.row("  bubble")
+    assert compute.measured == pytest.approx(measured_compute_s(run)) and compute.error == pytest.approx(0, abs=1e-9)
+    assert v.estimate.bubble_s == pytest.approx(compute.predicted / 4)
+    assert idle.predicted == pytest.approx(v.estimate.bubble_s + v.estimate.comm_s_by_op(hw)[P2P])
+    assert idle.measured == pytest.approx(statistics.fmean(r["idle_s"] for r in rows))
 
 
 @pytest.mark.parametrize("schedule,sends,bubble", [("interleaved-1f1b", 12, 1 / 9), ("interleaved-zb", 12, 1 / 25),

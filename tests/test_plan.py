@@ -420,6 +420,56 @@ def test_in_compute_collectives_wait_for_the_other_rank_on_cpu_ranks_only():
     assert all(c.wait_s == 0 for c in estimate("fsdp", m, t, cpu).comms + estimate("ddp", m, t, cpu).comms)
 
 
+def test_the_pipeline_bubble_is_theorys_fraction_of_the_step_and_sends_keep_their_own_link():
+    """Theory's (p-1)/(m+p-1) is of the step, compute and idle together: the idle is (p-1) micro-batches'
+    work, compute x (p-1)/m (compute x the fraction had put PP 4 with one micro-batch at a quarter of its
+    bubble). On CPU ranks a pipeline's sends and receives take their own row of cpu_costs.COLLECTIVES:
+    a calibration run's generic link, fitted on other ops, leaves them as they are."""
+    from dataclasses import replace
+
+    from nbtool.plan.cpu_costs import COLLECTIVES
+    from nbtool.plan.estimate import P2P
+    from nbtool.spec import bubble_fraction
+
+    m = ModelShape.transformer(8, 256, 4, 1000, 64)
+    for hw in (HARDWARE_PRESETS["8x H100-80GB NVLink"], HARDWARE_PRESETS["2 CPU ranks (gloo)"]):
+        for pp, micro in ((2, 4), (4, 1), (4, 8)):
+            e = estimate("pp", m, Training(micro_batch=1, seq=64, grad_accum=micro), hw.with_devices(pp), pp=pp)
+            assert e.bubble_s == pytest.approx(e.compute_s * (pp - 1) / micro)
+            assert e.bubble_s / (e.compute_s + e.bubble_s) == pytest.approx(bubble_fraction(pp, micro))
+    cpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    t = Training(micro_batch=2, seq=64, grad_accum=4)
+    e = estimate("pp", m, t, cpu, pp=2)
+    sends = next(c for c in e.comms if c.op == P2P)
+    alpha, bw = COLLECTIVES[P2P]
+    assert cpu.collective_s(P2P, 2, sends.count, sends.bus_bytes) == pytest.approx(
+        sends.count * alpha + sends.bus_bytes / bw)
+    slow = replace(cpu, intra_latency=3e-3, intra_bw=0.1e9)  # as an FSDP run's blocked gathers can fit it
+    assert estimate("pp", m, t, slow, pp=2).comm_s_by_op(slow)[P2P] == pytest.approx(e.comm_s_by_op(cpu)[P2P])
+
+
+def test_a_pipelines_host_work_grows_with_its_micro_batches_on_cpu_ranks_only():
+    """A stage runs its tensors' forward and backward once per micro-batch: on CPU ranks, with the batch
+    fixed, 8 micro-batches took 1.54-1.64x the time outside communication of 4 (three shapes), which one
+    cost per tensor had left flat. GPU ranks' compute stays the FLOPs'; a run calibrated at its own
+    micro-batch count predicts itself."""
+    from nbtool.plan import cpu_costs
+
+    m = ModelShape.transformer(4, 128, 4, 256, 32)
+    m = ModelShape(m.params, 4, 128, 4, 256, 32, numels=(128,) * 38 + (16384,) * 16 + (65536,) * 8)
+    cpu, gpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"], HARDWARE_PRESETS["8x H100-80GB NVLink"].with_devices(2)
+    by_micro = {k: Training(micro_batch=8 // k, seq=32, grad_accum=k) for k in (2, 4, 8)}
+    c = {k: estimate("pp", m, t, cpu, pp=2).compute_s for k, t in by_micro.items()}
+    per = cpu_costs.S_PER_TENSOR_MICROBATCH["pp"] * len(m.numels) / 2
+    assert c[8] - c[4] == pytest.approx(4 * per) and c[4] - c[2] == pytest.approx(2 * per) and per > 0
+    g = {k: estimate("pp", m, t, gpu, pp=2).compute_s for k, t in by_micro.items()}
+    assert g[2] == pytest.approx(g[4]) == pytest.approx(g[8])
+    layout = estimate("pp", m, by_micro[8], cpu, pp=2).layout
+    speed = cpu_costs.host_speed_of(layout, "fp32", 0.1, 31, 0.05, microbatches=8)
+    assert cpu_costs.step_s(layout, "fp32", 0.1, 31, speed, microbatches=8) == pytest.approx(0.05)
+    assert estimate("ddp", m, by_micro[8], cpu).compute_s == pytest.approx(estimate("ddp", m, by_micro[2], cpu).compute_s)
+
+
 def test_sequence_parallelism_gathers_and_scatters_what_tp_all_reduces():
     """Under --sp each of tp's all-reduces becomes a reduce-scatter and an all-gather (4 of each a layer
     a micro-batch, the same bus bytes), plus two all-gathers (the first block's input gradient, the

@@ -11,9 +11,11 @@ term is
 
 with the constants below fitted by ``benchmarks/fit_cpu_costs.py`` to the
 time outside communication (``nbtool.plan.versus.measured_compute_s``: step
-time less the time blocked on collectives) of 245 runs of
-``benchmarks/plan_accuracy.py`` in 13 sets, hours to days apart (5 model shapes:
-TinyTransformer tutorial, wide and deep, a Llama, a GPT-2; 8 strategies), 2
+time less the time blocked on collectives; a pipeline's, less its comm busy
+time, which holds the bubble: the planner adds that on top) of 283 runs of
+``benchmarks/plan_accuracy.py`` in 14 sets, hours to days apart (5 model shapes:
+TinyTransformer tutorial, wide and deep, a Llama, a GPT-2; 8 strategies; one
+set of pipelines with 2, 4 and 8 micro-batches), 2
 gloo ranks of a 2-core x86 VM (AMD EPYC), torch 2.13 CPU build, one thread per
 rank. Each set has its own host speed in the fit (this machine's speed moved
 by up to 40% between sessions; the planner only uses the model's ratios
@@ -25,7 +27,16 @@ with one speed for every session (and to the step less comm busy time),
 predicted each set's median runs from its fsdp run with a median error of
 13.7% (141 of 174 within 25%; by strategy ddp +16%, ZeRO-1 +24%, tp -16%,
 pp +20%, the same sign on every shape); these, each set predicted by the fit
-on the other 12, 8.6% (166 of 174; every strategy within 7% at the median).
+on the others, 8.0% (175 of 189).
+
+A pipeline's stage runs its tensors' forward and backward once per
+micro-batch: with the batch fixed, its time outside communication grew
+x1.54-1.64 from 4 to 8 micro-batches and fell to x0.83-0.88 from 4 to 2
+(tutorial, deep and wide shapes), where one cost per tensor had it flat. With
+a cost per tensor and micro-batch (S_PER_TENSOR_MICROBATCH) the model gives
+x1.08 (wide) to x1.57 (deep) and x0.71-0.96: the wide shape's time is mostly
+FLOPs, and its smaller GEMMs (fp32 at 32 rows ran at 64% of the rate at 256
+here) are left out.
 
 A bf16 run's FLOPs take their time at the ranks' measured bf16 rate
 (``Hardware.matmul_flops``, nbtool.rank.matmul_probe), not scaled by
@@ -48,53 +59,63 @@ from .layouts import Layout
 S_PER_GFLOP = 19.0e-3  # forward + backward, 6 Psi tokens, fp32; about 53 GFLOP/s per rank
 S_PER_GFLOP_16BIT = 6.24e-3  # in bf16 / fp16 where the ranks did not measure their rate: about 160 GFLOP/s
 S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
-    "ddp": 0.174e-3,
-    "zero1": 0.222e-3,
-    "zero2": 0.285e-3,
-    "zero3": 1.082e-3,
-    "fsdp": 0.898e-3,
-    "fsdp bf16": 0.811e-3,
-    "tp": 1.038e-3,
-    "pp": 0.331e-3,
+    "ddp": 0.166e-3,
+    "zero1": 0.213e-3,
+    "zero2": 0.270e-3,
+    "zero3": 1.051e-3,
+    "fsdp": 0.851e-3,
+    "fsdp bf16": 0.816e-3,
+    "tp": 1.003e-3,
+    "pp": 0.147e-3,
 }
+# and per parameter tensor and micro-batch: a pipeline stage runs its tensors' forward and backward once per
+# micro-batch (smaller GEMMs, the same ops again), where the others run theirs once a step
+S_PER_TENSOR_MICROBATCH = {"pp": 0.067e-3}
 
 # What each collective costs 2 gloo CPU ranks in training: (alpha s, bus bytes/s) per row, fitted by
 # ``benchmarks/fit_cpu_costs.py --links`` to a typical step (the median over steps) of each run of the
-# same 13 sets: per op, the count, bus bytes and seconds the rank-0 thread blocked on that op (the
-# data-parallel runs: tp's and pp's wait for the other rank is SYNC_WAIT's); ZeRO-3's fetches, the
-# seconds waited on them; DDP's bucket all-reduces, their in-flight union, which DDP's measured compute
-# leaves to them (the reducer waits in C++, unseen; in flight as backward runs on the same cores, each
-# took 5 ms, against the blocking all-reduce's 1.2). Least squares on log(predicted / measured): on the
+# 13 sets above (not the micro-batch one): per op, the count, bus bytes and seconds the rank-0 thread
+# blocked on that op (the data-parallel runs: tp's and pp's wait for the other rank is SYNC_WAIT's);
+# ZeRO-3's fetches, the seconds waited on them; DDP's bucket all-reduces, their in-flight union, which
+# DDP's measured compute leaves to them (the reducer waits in C++, unseen; in flight as backward runs on
+# the same cores, each took 5 ms, against the blocking all-reduce's 1.2). Least squares on log(predicted / measured): on the
 # relative error the fit came out 7-48% short of the median step (blocked times are skewed by the
 # waits for the other rank). A quiet %commbench sweep of the same machine gives alpha 0.3 ms, B 1.2
 # GB/s: in training each collective also waits for the other rank, which arrives later by a jittery
-# stretch of host work. gloo's reduce-scatter is an all-reduce plus flat copies.
+# stretch of host work. gloo's reduce-scatter is an all-reduce plus flat copies. A pipeline's sends and
+# receives: gloo's quiet point-to-point link, one way (a ping-pong of 4 kB-2 MB messages between 2 ranks
+# here: 0.12 ms + bytes / 2.6 GB/s); what they wait for the other stage is SYNC_WAIT's. Their own row
+# keeps a calibration run's generic link, fitted on other ops, off them: an FSDP run's had put the deep
+# shape's 8 sends and receives a step at 24 ms where its whole time outside compute was 18.
 COLLECTIVES = {
     "all_reduce": (1162e-6, 1.013e9),
     "all_gather": (1556e-6, 0.987e9),
     "reduce_scatter": (2382e-6, 0.346e9),
     "all_gather (ZeRO-3 fetch)": (641e-6, 0.733e9),
     "all_reduce (DDP bucket)": (5406e-6, 1.354e9),
+    "send/recv": (120e-6, 2.6e9),
 }
 
 # Tensor parallelism's all-reduces and a pipeline's sends and receives sit inside forward and backward,
 # a few ms of host work apart; the thread blocks on each until the other rank gets there, so on top of
 # the link time it waits out whatever delayed the other rank since the last one (a preemption, a halted
 # vCPU's wake-up: this 2-core VM wakes one in about 4 ms). That wait grows with the work between them:
-# beyond the table above, 0.13-0.27 x the step's compute for tp (the median by model shape, 5 shapes),
-# 0.46-0.75 for pp, whose time outside compute is its comm busy time (a stage waits out the bubble in a
-# receive: nbtool.plan.versus.measured_compute_s). Per row, the median over its runs (tp 19, pp 10, of
-# the same sets) of (step time less measured compute - the link's time) / predicted compute, fitted by
-# ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
+# beyond the table above, 0.13-0.26 x the step's compute for tp (the median by model shape, 5 shapes),
+# for pp 0.12-0.28 on TinyTransformer's shapes and 0.39-0.54 on GPT-2's and the Llama's (whose last
+# stage measured up to 30% slower than the first: rank 0 waits for it), beyond theory's bubble; a
+# pipeline's time outside compute is its comm busy time (a stage waits out the bubble in a receive:
+# nbtool.plan.versus.measured_compute_s). Per row, the median over its runs (tp 19, pp 19, of the same
+# sets) of (step time less measured compute - the link's time and the bubble) / predicted compute,
+# fitted by ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
 # where the ranks meet anyway, and the table's fit already holds their wait.
-SYNC_WAIT = {"tp": 0.20, "pp": 0.48}
+SYNC_WAIT = {"tp": 0.19, "pp": 0.27}
 
 # Sequence parallelism's host work per all-gather or reduce-scatter (DTensor's redistribute: dispatch,
 # the gathered output's cat, the shard's copy), seconds at host_speed 1: tp --sp's time outside
 # communication less the model's for tp, over host_speed x those collectives, the median over the
 # tp --sp runs of the same sets (5 shapes). Its all-gathers and reduce-scatters wait for
 # the other rank no more than FSDP's, on whose runs the table above was fitted: no SYNC_WAIT for them.
-S_PER_SP_COLLECTIVE = 0.85e-3
+S_PER_SP_COLLECTIVE = 0.80e-3
 
 
 def _row(layout: Layout, precision: str) -> str:
@@ -108,11 +129,14 @@ def _row(layout: Layout, precision: str) -> str:
 
 
 def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0,
-           bf16_flops: float | None = None) -> float:
+           bf16_flops: float | None = None, microbatches: int = 1) -> float:
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
-    reference's, for ``gflop`` and ``tensors`` per rank; ``bf16_flops``: where the ranks measured it
-    (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate, unscaled."""
-    host = S_PER_TENSOR[_row(layout, precision)] * tensors
+    reference's, for ``gflop`` and ``tensors`` per rank and ``microbatches`` a step (a pipeline's
+    stage runs its tensors' forward and backward once per micro-batch); ``bf16_flops``: where the
+    ranks measured it (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate,
+    unscaled."""
+    row = _row(layout, precision)
+    host = (S_PER_TENSOR[row] + S_PER_TENSOR_MICROBATCH.get(row, 0.0) * microbatches) * tensors
     if precision == "bf16" and bf16_flops:
         return host_speed * host + gflop * 1e9 / bf16_flops
     per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP
@@ -120,11 +144,11 @@ def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_sp
 
 
 def host_speed_of(layout: Layout, precision: str, gflop: float, tensors: float, compute_s: float,
-                  bf16_flops: float | None = None) -> float:
+                  bf16_flops: float | None = None, microbatches: int = 1) -> float:
     """The ``host_speed`` at which ``step_s`` gives the measured ``compute_s``; a bf16 run measured
     faster than its probed FLOP time alone (noise) scales the whole instead."""
-    fixed = step_s(layout, precision, gflop, tensors, 0.0, bf16_flops)  # what host_speed does not scale
-    scaled = step_s(layout, precision, gflop, tensors, 1.0, bf16_flops) - fixed
+    fixed = step_s(layout, precision, gflop, tensors, 0.0, bf16_flops, microbatches)  # not scaled by host_speed
+    scaled = step_s(layout, precision, gflop, tensors, 1.0, bf16_flops, microbatches) - fixed
     return (compute_s - fixed) / scaled if compute_s > fixed else compute_s / (scaled + fixed)
 
 

@@ -100,13 +100,13 @@ Sources, per figure:
 - time: compute = 6 Psi tokens (x 4/3 with full recomputation) / (peak
   FLOPs x 40% utilisation); data-parallel communication overlaps backward
   (2/3 of compute) and only the excess is exposed; tensor-parallel and
-  pipeline communication, pipeline bubbles ((p-1)/(m+p-1)) and offload
+  pipeline communication, pipeline bubbles ((p-1)/(m+p-1) of the step: compute x (p-1)/m) and offload
   transfers (device <-> host) are not hidden. Each op costs count x alpha
   + bus bytes / B on its own link where the hardware has one
   (``Hardware.op_links``: ``%commbench``'s fit per op; on CPU ranks the
   in-training table nbtool.plan.cpu_costs.COLLECTIVES, ZeRO-3's fetches and
-  DDP's buckets, in flight while backward runs, rows of their own), else the
-  node's link. On CPU
+  DDP's buckets, in flight while backward runs, and a pipeline's sends and
+  receives, rows of their own), else the node's link. On CPU
   ranks (``Hardware.host_speed`` set) compute is the measured per-strategy
   model of nbtool.plan.cpu_costs (FLOPs plus the host's work per parameter
   tensor), and no communication is hidden: gloo shares the cores; the
@@ -437,7 +437,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
         e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed,
-                                       hw.bf16_flops)
+                                       hw.bf16_flops, t.grad_accum if pp > 1 else 1)
     else:
         e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
 
@@ -496,9 +496,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             for k in tied:  # the stages' copies' gradients summed (fp32, as the weights)
                 e.add_comm(hw, "all_reduce", pp, 1, 2 * (pp - 1) / pp * 4 * k)
             bubble = bubble_fraction(pp, micro, schedule, virtual)
-            e.bubble_s = e.compute_s * bubble
+            # theory's fraction is of the step (compute + idle): idle = compute x f / (1 - f), (p-1)
+            # micro-batches' work for 1F1B, where compute x f had left out the idle's own share of the step
+            e.bubble_s = e.compute_s * bubble / (1 - bubble)
             formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
-            e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} with m={micro} micro-batches "
+            e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} of the step with m={micro} micro-batches "
                            "(raise --grad-accum to shrink it)")
         exposed = e.comm_s
         dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0

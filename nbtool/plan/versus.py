@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from .. import run_analysis
 from ..spec import StrategySpec, bucket_element_bytes
 from . import cpu_costs
-from .estimate import MFU, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
+from .estimate import MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
 from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
 from .layouts import layout as as_layout
 from .model_states import PERSISTENCE_THRESHOLD
@@ -384,18 +384,14 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     if compute and tokens:
         mixed = training.precision in ("bf16", "fp16")
         flops = 6 * shape.params * tokens * (4 / 3 if training.checkpointing == "full" else 1) / (tp * pp)
-        if pp > 1:  # the measured compute holds the bubble too; the planner adds compute x bubble on top
-            from ..spec import bubble_fraction
-
-            opts = layout_options(run)
-            compute /= 1 + bubble_fraction(pp, training.grad_accum, opts["schedule"], opts["virtual"])
         hw = replace(hw, peak_flops=flops / compute / (MFU * (1 if mixed else 0.25)), measured=True)
         if cpu:  # the host's per-tensor work too, by strategy (nbtool.plan.cpu_costs), and how much
             # faster or slower bf16 computes here: a run in one precision predicts the other
             probe = run.description.matmul_flops
             hw = replace(hw, matmul_flops=tuple(probe) if probe else hw.matmul_flops)
             hw = replace(hw, host_speed=cpu_costs.host_speed_of(as_layout(layout), training.precision, flops / 1e9,
-                                                                len(shape.numels) / pp, compute, hw.bf16_flops))
+                                                                len(shape.numels) / pp, compute, hw.bf16_flops,
+                                                                training.grad_accum if pp > 1 else 1))
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
                     + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's" if cpu else "")
                     + (f"; bf16 at {hw.bf16_flops / 1e9:.2g} GFLOP/s, x{hw.speedup_16bit:.2g} fp32's, measured"
@@ -489,8 +485,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     stalls = f" (mean {mean_s * 1e3:.1f} ms: some steps stalled)" if step_s and mean_s > 1.1 * step_s else ""
     rows.append(Row("step time", step_s, e.step_s, "s", f"wall time on rank 0, median of steps 2..N{stalls}",
                     TOLERANCE["step time"]))
-    rows.append(Row("  compute", measured_compute_s(run), e.compute_s + e.bubble_s, "s",
-                    compute_source(run) + (" (bubble included)" if pp > 1 else "")))
+    rows.append(Row("  compute", measured_compute_s(run), e.compute_s, "s", compute_source(run)))
     if training.precision == "bf16" and (emulated := hw.emulated_bf16()):
         notes.append(f"{emulated}, and the compute term uses that: on this machine fp32 trains faster")
     exposed = typical_step(run, "exposed_s") if summary["exposed_s_per_step"] is not None else None
@@ -502,7 +497,10 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     if pp > 1:
         bubble = run_analysis.bubble_table(run)
         measured = statistics.fmean(b["idle_s"] for b in bubble) if bubble else None
-        rows.append(Row("  bubble", measured, e.bubble_s, "s", "pipeline stages' idle time, mean over stages"))
+        # the stages' idle time holds their sends, receives and waits as well as theory's bubble
+        idle = e.bubble_s + e.comm_s_by_op(hw).get(P2P, 0.0)
+        rows.append(Row("  bubble", measured, idle, "s", "pipeline stages' idle time (span less the stage's "
+                        "forward and backward), mean over stages; predicted: bubble + sends, receives and waits"))
     tokens = training.micro_batch * (training.seq or 0) * training.grad_accum * e.dp
     if tokens and step_s:
         rows.append(Row("throughput", tokens / step_s, tokens / e.step_s, "tokens/s",
@@ -518,8 +516,6 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
 def _op_rows(run, e: Estimate, hw: Hardware) -> list:
     """Per op: blocked seconds per step (median over steps 2..N) next to count x alpha + bytes / B, with
     the counts when they differ (the term of the model that is off)."""
-    from .estimate import P2P
-
     named = lambda op: P2P if op in ("send", "recv") else op  # the planner counts both ends as one
     steps = run_analysis.steady_steps(run)
     predicted = e.comm_s_by_op(hw)
