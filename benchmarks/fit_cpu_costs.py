@@ -8,8 +8,9 @@
 The model (see nbtool/plan/cpu_costs.py): seconds per step outside
 communication = host speed x (S_PER_GFLOP x fp32 GFLOP per rank +
 S_PER_TENSOR[row] x parameter tensors per rank), one S_PER_TENSOR per
-strategy row, and for pp one per tensor and micro-batch too
-(S_PER_TENSOR_MICROBATCH: fitted where the runs' micro-batch counts differ,
+strategy row, and for pp one per tensor and micro-batch and one per
+micro-batch too (S_PER_TENSOR_MICROBATCH, S_PER_MICROBATCH: fitted where the
+runs' micro-batch counts differ,
 ``plan_accuracy.py --strategies 'pp --microbatches 2,pp,pp --microbatches
 8'``); a bf16 run's FLOPs take their time at the ranks' measured bf16
 rate (the dump's ``bf16_flops``), outside the host speed. Each dump (one
@@ -50,7 +51,9 @@ import statistics
 import numpy as np
 
 ROWS = ("ddp", "zero1", "zero2", "zero3", "fsdp", "fsdp bf16", "tp", "pp")
-MICRO_ROWS = ("pp",)  # rows with a term per tensor and micro-batch too (cpu_costs.S_PER_TENSOR_MICROBATCH)
+# rows with terms per micro-batch too: per tensor (cpu_costs.S_PER_TENSOR_MICROBATCH) and per stage
+# (cpu_costs.S_PER_MICROBATCH)
+MICRO_ROWS = ("pp",)
 
 
 def _row(run: str) -> str:
@@ -78,9 +81,10 @@ def _points(path: str, all_runs: bool) -> list[dict]:
 
 def _features(p: dict, rows: list, micro_rows: list) -> list:
     """What host_speed scales: the fp32 FLOPs, the parameter tensors (in the run's row) and, in the rows
-    with one, the tensors x micro-batches."""
+    with them, the tensors x micro-batches and the micro-batches."""
     return ([0.0 if p["half"] else p["gflop"]] + [p["tensors"] if p["row"] == r else 0.0 for r in rows]
-            + [p["tensors"] * p["micro"] if p["row"] == r else 0.0 for r in micro_rows])
+            + [p["tensors"] * p["micro"] if p["row"] == r else 0.0 for r in micro_rows]
+            + [p["micro"] if p["row"] == r else 0.0 for r in micro_rows])
 
 
 def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
@@ -107,7 +111,7 @@ def fit(points: list[dict], rounds: int = 50) -> tuple[dict, dict]:
             speed[i] = scaled[i] @ target[i] / (scaled[i] @ scaled[i])
     mean = float(np.exp(np.mean([np.log(speed[i][0]) for i in index])))
     theta = theta * mean
-    names = ["gflop"] + rows + [f"{r} micro" for r in micro_rows]
+    names = ["gflop"] + rows + [f"{r} micro" for r in micro_rows] + [f"{r} stage" for r in micro_rows]
     return dict(zip(names, map(float, theta))), {s: float(speed[i][0]) / mean for s, i in zip(sets, index)}
 
 
@@ -116,7 +120,8 @@ def calibrated_errors(points: list[dict], costs: dict) -> list[tuple[str, float]
     run (ddp's for fsdp itself) sets the host speed, the model the rest."""
     def model(p):
         return ((0.0 if p["half"] else costs["gflop"] * p["gflop"])
-                + (costs[p["row"]] + costs.get(f"{p['row']} micro", 0.0) * p["micro"]) * p["tensors"])
+                + (costs[p["row"]] + costs.get(f"{p['row']} micro", 0.0) * p["micro"]) * p["tensors"]
+                + costs.get(f"{p['row']} stage", 0.0) * p["micro"])
 
     runs: dict = {}
     for p in points:
@@ -136,7 +141,8 @@ def current_costs() -> dict:
     from nbtool.plan import cpu_costs
 
     return {"gflop": cpu_costs.S_PER_GFLOP, **cpu_costs.S_PER_TENSOR,
-            **{f"{r} micro": v for r, v in cpu_costs.S_PER_TENSOR_MICROBATCH.items()}}
+            **{f"{r} micro": v for r, v in cpu_costs.S_PER_TENSOR_MICROBATCH.items()},
+            **{f"{r} stage": v for r, v in cpu_costs.S_PER_MICROBATCH.items()}}
 
 
 def sync_wait(paths: list[str]) -> dict:
@@ -288,11 +294,12 @@ def main() -> None:
     print(f"S_PER_GFLOP = {costs['gflop'] * 1e3:.3g}e-3  # about {1 / costs['gflop']:.0f} GFLOP/s per rank")
     print("S_PER_TENSOR = {")
     for r, v in costs.items():
-        if r != "gflop" and not r.endswith(" micro"):
+        if r != "gflop" and not r.endswith((" micro", " stage")):
             print(f'    "{r}": {v * 1e3:.3f}e-3,')
     print("}")
-    print("S_PER_TENSOR_MICROBATCH = {" + ", ".join(f'"{r[:-6]}": {v * 1e3:.3f}e-3' for r, v in costs.items()
-                                                    if r.endswith(" micro")) + "}")
+    for name, suffix in (("S_PER_TENSOR_MICROBATCH", " micro"), ("S_PER_MICROBATCH", " stage")):
+        print(name + " = {" + ", ".join(f'"{r[:-len(suffix)]}": {v * 1e3:.3f}e-3' for r, v in costs.items()
+                                        if r.endswith(suffix)) + "}")
     print("each set's host speed: " + ", ".join(f"{s} {v:.2f}" for s, v in speeds.items()))
     print("the median runs' time outside communication, each shape's calibrated on its fsdp run (fsdp on ddp):")
     report(f"  in sample ({len(points)} runs fitted)", calibrated_errors(points, costs))

@@ -9,6 +9,8 @@ term is
 
     host_speed x (S_PER_GFLOP x GFLOP per rank + S_PER_TENSOR[strategy] x parameter tensors per rank)
 
+(a pipeline's stage also pays per micro-batch, below)
+
 with the constants below fitted by ``benchmarks/fit_cpu_costs.py`` to the
 time outside communication (``nbtool.plan.versus.measured_compute_s``: step
 time less the time blocked on collectives; a pipeline's, less its comm busy
@@ -27,16 +29,17 @@ with one speed for every session (and to the step less comm busy time),
 predicted each set's median runs from its fsdp run with a median error of
 13.7% (141 of 174 within 25%; by strategy ddp +16%, ZeRO-1 +24%, tp -16%,
 pp +20%, the same sign on every shape); these, each set predicted by the fit
-on the others, 8.0% (175 of 189).
+on the others, 8.0% (178 of 189).
 
-A pipeline's stage runs its tensors' forward and backward once per
-micro-batch: with the batch fixed, its time outside communication grew
-x1.54-1.64 from 4 to 8 micro-batches and fell to x0.83-0.88 from 4 to 2
-(tutorial, deep and wide shapes), where one cost per tensor had it flat. With
-a cost per tensor and micro-batch (S_PER_TENSOR_MICROBATCH) the model gives
-x1.08 (wide) to x1.57 (deep) and x0.71-0.96: the wide shape's time is mostly
-FLOPs, and its smaller GEMMs (fp32 at 32 rows ran at 64% of the rate at 256
-here) are left out.
+A pipeline's stage runs its tensors' forward and backward, and the schedule
+its own work, once per micro-batch: with the batch fixed, its time outside
+communication grew x1.54-1.65 from 4 to 8 micro-batches and fell to
+x0.83-0.87 from 4 to 2 (tutorial, deep and wide shapes), where one cost per
+tensor had it flat. With a cost per tensor and micro-batch
+(S_PER_TENSOR_MICROBATCH) and one per micro-batch (S_PER_MICROBATCH) the
+model gives x1.14 (wide) to x1.54 (deep) and x0.73-0.93: the wide shape's
+time is mostly FLOPs, and its smaller GEMMs (fp32 at 32 rows ran at 64% of
+the rate at 256 here) are left out.
 
 A bf16 run's FLOPs take their time at the ranks' measured bf16 rate
 (``Hardware.matmul_flops``, nbtool.rank.matmul_probe), not scaled by
@@ -56,21 +59,24 @@ from __future__ import annotations
 
 from .layouts import Layout
 
-S_PER_GFLOP = 19.0e-3  # forward + backward, 6 Psi tokens, fp32; about 53 GFLOP/s per rank
+S_PER_GFLOP = 18.7e-3  # forward + backward, 6 Psi tokens, fp32; about 54 GFLOP/s per rank
 S_PER_GFLOP_16BIT = 6.24e-3  # in bf16 / fp16 where the ranks did not measure their rate: about 160 GFLOP/s
 S_PER_TENSOR = {  # seconds per parameter tensor a rank holds, per step
-    "ddp": 0.166e-3,
-    "zero1": 0.213e-3,
-    "zero2": 0.270e-3,
-    "zero3": 1.051e-3,
-    "fsdp": 0.851e-3,
-    "fsdp bf16": 0.816e-3,
-    "tp": 1.003e-3,
-    "pp": 0.147e-3,
+    "ddp": 0.168e-3,
+    "zero1": 0.216e-3,
+    "zero2": 0.274e-3,
+    "zero3": 1.059e-3,
+    "fsdp": 0.855e-3,
+    "fsdp bf16": 0.815e-3,
+    "tp": 1.010e-3,
+    "pp": 0.143e-3,
 }
 # and per parameter tensor and micro-batch: a pipeline stage runs its tensors' forward and backward once per
 # micro-batch (smaller GEMMs, the same ops again), where the others run theirs once a step
-S_PER_TENSOR_MICROBATCH = {"pp": 0.067e-3}
+S_PER_TENSOR_MICROBATCH = {"pp": 0.042e-3}
+# and per micro-batch a stage runs, whatever its tensors: the schedule's own work for each forward and
+# backward chunk (torch.distributed.pipelining's, the loss on the last stage)
+S_PER_MICROBATCH = {"pp": 1.60e-3}
 
 # What each collective costs 2 gloo CPU ranks in training: (alpha s, bus bytes/s) per row, fitted by
 # ``benchmarks/fit_cpu_costs.py --links`` to a typical step (the median over steps) of each run of the
@@ -101,21 +107,21 @@ COLLECTIVES = {
 # the link time it waits out whatever delayed the other rank since the last one (a preemption, a halted
 # vCPU's wake-up: this 2-core VM wakes one in about 4 ms). That wait grows with the work between them:
 # beyond the table above, 0.13-0.26 x the step's compute for tp (the median by model shape, 5 shapes),
-# for pp 0.12-0.28 on TinyTransformer's shapes and 0.39-0.54 on GPT-2's and the Llama's (whose last
+# for pp 0.16-0.25 on TinyTransformer's shapes and 0.31-0.40 on GPT-2's and the Llama's (whose last
 # stage measured up to 30% slower than the first: rank 0 waits for it), beyond theory's bubble; a
 # pipeline's time outside compute is its comm busy time (a stage waits out the bubble in a receive:
 # nbtool.plan.versus.measured_compute_s). Per row, the median over its runs (tp 19, pp 19, of the same
 # sets) of (step time less measured compute - the link's time and the bubble) / predicted compute,
 # fitted by ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
 # where the ranks meet anyway, and the table's fit already holds their wait.
-SYNC_WAIT = {"tp": 0.19, "pp": 0.27}
+SYNC_WAIT = {"tp": 0.19, "pp": 0.24}
 
 # Sequence parallelism's host work per all-gather or reduce-scatter (DTensor's redistribute: dispatch,
 # the gathered output's cat, the shard's copy), seconds at host_speed 1: tp --sp's time outside
 # communication less the model's for tp, over host_speed x those collectives, the median over the
 # tp --sp runs of the same sets (5 shapes). Its all-gathers and reduce-scatters wait for
 # the other rank no more than FSDP's, on whose runs the table above was fitted: no SYNC_WAIT for them.
-S_PER_SP_COLLECTIVE = 0.80e-3
+S_PER_SP_COLLECTIVE = 0.79e-3
 
 
 def _row(layout: Layout, precision: str) -> str:
@@ -136,7 +142,8 @@ def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_sp
     ranks measured it (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate,
     unscaled."""
     row = _row(layout, precision)
-    host = (S_PER_TENSOR[row] + S_PER_TENSOR_MICROBATCH.get(row, 0.0) * microbatches) * tensors
+    host = ((S_PER_TENSOR[row] + S_PER_TENSOR_MICROBATCH.get(row, 0.0) * microbatches) * tensors
+            + S_PER_MICROBATCH.get(row, 0.0) * microbatches)
     if precision == "bf16" and bf16_flops:
         return host_speed * host + gflop * 1e9 / bf16_flops
     per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP
