@@ -195,6 +195,7 @@ def _link_points(dirs: str) -> dict:
     from nbtool import run_analysis
     from nbtool.metrics import load
     from nbtool.plan.estimate import DDP_INFLIGHT, ZERO3_FETCH
+    from nbtool.plan.versus import OWN_LINK_OPS  # the ops with a row of their own
 
     own: dict = defaultdict(list)
     for d in dirs.split(","):
@@ -208,7 +209,7 @@ def _link_points(dirs: str) -> dict:
             for c in run.comms:
                 if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
                     continue
-                if not c.asynchronous and c.op in LINK_OPS:
+                if not c.asynchronous and c.op in OWN_LINK_OPS:
                     step = steps[c.op][c.step]
                     step[0], step[1], step[2] = step[0] + 1, step[1] + c.bus_bytes, step[2] + c.seconds
                 elif c.asynchronous and c.op == "all_gather" and run.strategy == "zero3":
@@ -224,9 +225,6 @@ def _link_points(dirs: str) -> dict:
                 own[DDP_INFLIGHT].append(tuple(statistics.median(s[k] for s in table)
                                                for k in ("count", "bus_bytes", "comm_s")))
     return own
-
-
-LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
 
 
 def fit_link(points: list) -> tuple[float, float]:
