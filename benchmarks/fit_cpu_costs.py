@@ -37,7 +37,8 @@ rank 0, fitted as count x alpha + bus bytes / B by least squares on
 log(predicted / measured) (the planner adds an op's collectives up per step
 and models a typical step). The rows: per op, the collectives the thread
 blocked on, in data-parallel runs (tp's and pp's wait for the other rank is
-SYNC_WAIT's); ZeRO-3's fetches (all-gathers issued ahead), the seconds waited
+SYNC_WAIT's); sequence parallelism's all-gathers and reduce-scatters, in the
+tp --sp runs (rows of their own); ZeRO-3's fetches (all-gathers issued ahead), the seconds waited
 on them; DDP's bucket all-reduces, their in-flight union (the reducer's wait
 is not observable, so the planner's compute for DDP leaves them that union).
 ``--check``: each row's errors on other runs' points (out of sample).
@@ -186,7 +187,7 @@ def _link_points(dirs: str) -> dict:
     """{row: [(collectives, bus bytes, seconds) a typical step of one run]} from the runs saved in ``dirs``
     (joined by commas), each figure the median over steps 2..N-1 on rank 0. The rows: per op, the
     collectives the thread blocked on (data-parallel runs: tensor parallelism's and a pipeline's wait
-    for the other rank is SYNC_WAIT's); ZeRO-3's fetches, seconds waited on them; DDP's buckets, their
+    for the other rank is SYNC_WAIT's); sequence parallelism's gathers and scatters (tp --sp runs); ZeRO-3's fetches, seconds waited on them; DDP's buckets, their
     in-flight union (the reducer's wait is not observable: the time the planner's compute leaves them)."""
     import glob
     import os
@@ -194,23 +195,27 @@ def _link_points(dirs: str) -> dict:
 
     from nbtool import run_analysis
     from nbtool.metrics import load
-    from nbtool.plan.estimate import DDP_INFLIGHT, ZERO3_FETCH
+    from nbtool.plan.estimate import DDP_INFLIGHT, SP_GATHER, SP_SCATTER, ZERO3_FETCH
     from nbtool.plan.versus import OWN_LINK_OPS  # the ops with a row of their own
 
     own: dict = defaultdict(list)
     for d in dirs.split(","):
         for path in sorted(glob.glob(os.path.join(d, "*_plain.json"))):
             run = load(path)
-            if run.description.dims is not None:
+            sp = run.description.spec.get("sp")
+            if run.description.dims is not None and not sp:
                 continue
+            # sequence parallelism's gathers and scatters: rows of their own (its norms' one all-reduce
+            # a step, tensor parallelism's, is left out)
+            rows = {"all_gather": SP_GATHER, "reduce_scatter": SP_SCATTER} if sp else {op: op for op in OWN_LINK_OPS}
             last = max(m.step for m in run.steps if m.rank == 0)
             steps: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))  # row -> step -> figures
             waited = {}  # ZeRO-3's async all-gathers: seq -> record
             for c in run.comms:
                 if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
                     continue
-                if not c.asynchronous and c.op in OWN_LINK_OPS:
-                    step = steps[c.op][c.step]
+                if not c.asynchronous and c.op in rows:
+                    step = steps[rows[c.op]][c.step]
                     step[0], step[1], step[2] = step[0] + 1, step[1] + c.bus_bytes, step[2] + c.seconds
                 elif c.asynchronous and c.op == "all_gather" and run.strategy == "zero3":
                     waited[c.seq] = c

@@ -475,8 +475,11 @@ def test_sequence_parallelism_gathers_and_scatters_what_tp_all_reduces():
     a micro-batch, the same bus bytes), plus two all-gathers (the first block's input gradient, the
     last block's output) and one fp32 all-reduce a step of the norms' partial gradients: the recorder's
     bytes exactly on 4 shapes (they had been 2-11% short, counted as tp's all-reduces). On CPU ranks
-    they carry DTensor's host work per collective and no SYNC_WAIT (their links' fit holds the wait)."""
-    from nbtool.plan.cpu_costs import S_PER_SP_COLLECTIVE
+    they carry DTensor's host work per collective and no SYNC_WAIT (their links' fit holds the wait), and
+    their gathers and scatters take rows of their own (fitted on tp --sp runs: FSDP's parameter gathers'
+    rows had put them 15-25% over); elsewhere the op's link."""
+    from nbtool.plan.cpu_costs import COLLECTIVES, S_PER_SP_COLLECTIVE
+    from nbtool.plan.estimate import SP_GATHER, SP_SCATTER
 
     cpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
     numels = (128,) * 38 + (16384,) * 16 + (65536,) * 8
@@ -495,8 +498,20 @@ def test_sequence_parallelism_gathers_and_scatters_what_tp_all_reduces():
         assert sp.comm_bus_bytes == pytest.approx(tp.comm_bus_bytes + 2 * accum * act + 2 * L * norm * 4)
         assert all(c.wait_s == 0 for c in sp.comms) and any(c.wait_s > 0 for c in tp.comms)
         assert sp.compute_s - tp.compute_s == pytest.approx(S_PER_SP_COLLECTIVE * (8 * L + 2) * accum)
+        by_op = sp.comm_s_by_op(cpu)
+        for op, row in (("all_gather", SP_GATHER), ("reduce_scatter", SP_SCATTER)):
+            (c,) = [c for c in sp.comms if c.op == op]
+            alpha, bw = COLLECTIVES[row]
+            assert c.link == row and by_op[op] == pytest.approx(c.count * alpha + c.bus_bytes / bw)
+        # a calibration run's own (FSDP) gathers and scatters leave sequence parallelism's alone
+        slow = cpu.with_op_links({"all_gather": (0.1, 1e6), "reduce_scatter": (0.1, 1e6)})
+        assert estimate("tp", m, t, slow, tp=2).comm_s == pytest.approx(sp.comm_s)
         gpu = HARDWARE_PRESETS["8x H100-80GB NVLink"]
         assert estimate("tp", m, t, gpu, tp=2).compute_s == estimate("tp", m, t, gpu, tp=2, sp=False).compute_s
+        on_gpu = estimate("tp", m, t, gpu, tp=2)
+        for op in ("all_gather", "reduce_scatter"):
+            (c,) = [c for c in on_gpu.comms if c.op == op]
+            assert on_gpu.comm_s_by_op(gpu)[op] == pytest.approx(gpu.collective_s(op, 2, c.count, c.bus_bytes))
 
 
 def test_ddp_buckets_as_torch_makes_them():

@@ -92,7 +92,11 @@ S_PER_MICROBATCH = {"pp": 1.60e-3}
 # receives: gloo's quiet point-to-point link, one way (a ping-pong of 4 kB-2 MB messages between 2 ranks
 # here: 0.12 ms + bytes / 2.6 GB/s); what they wait for the other stage is SYNC_WAIT's. Their own row
 # keeps a calibration run's generic link, fitted on other ops, off them: an FSDP run's had put the deep
-# shape's 8 sends and receives a step at 24 ms where its whole time outside compute was 18.
+# shape's 8 sends and receives a step at 24 ms where its whole time outside compute was 18. Sequence
+# parallelism's activation all-gathers and reduce-scatters (25-200 kB each, 18-98 a step) have rows of
+# their own too, fitted the same way on the tp --sp runs of 15 sets (27 runs; the fresh set judged in
+# the README was kept out): the generic rows, fitted on FSDP's parameter gathers, had put them 25% and
+# 15% over (the median over 35 runs: 1.31 and 2.18 ms a call where those rows gave 1.58-1.76 and 2.45-2.95).
 COLLECTIVES = {
     "all_reduce": (1162e-6, 1.013e9),
     "all_gather": (1556e-6, 0.987e9),
@@ -100,6 +104,8 @@ COLLECTIVES = {
     "all_gather (ZeRO-3 fetch)": (641e-6, 0.733e9),
     "all_reduce (DDP bucket)": (5406e-6, 1.354e9),
     "send/recv": (120e-6, 2.6e9),
+    "all_gather (sequence parallel)": (1199e-6, 0.586e9),
+    "reduce_scatter (sequence parallel)": (1945e-6, 0.275e9),
 }
 
 # Tensor parallelism's all-reduces and a pipeline's sends and receives sit inside forward and backward,

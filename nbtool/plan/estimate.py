@@ -113,9 +113,9 @@ Sources, per figure:
   collectives inside forward and backward (tp's all-reduces, pp's sends and
   receives) also wait for the other rank's host jitter, a measured fraction
   of the compute between them (``cpu_costs.SYNC_WAIT``); sequence
-  parallelism's gathers and scatters cost their links' time (fitted on
-  FSDP's, in training) and DTensor's host work per collective
-  (``cpu_costs.S_PER_SP_COLLECTIVE``).
+  parallelism's gathers and scatters cost their own rows' time (fitted on
+  tp --sp runs, in training: their wait for the other rank is in them) and
+  DTensor's host work per collective (``cpu_costs.S_PER_SP_COLLECTIVE``).
 """
 from __future__ import annotations
 
@@ -147,6 +147,11 @@ ZERO3_FETCH = "all_gather (ZeRO-3 fetch)"
 # the op link of DDP's bucket all-reduces, where it has its own (CPU ranks: their in-flight union, which the
 # recorder leaves out of DDP's compute since the reducer's wait is not observable)
 DDP_INFLIGHT = "all_reduce (DDP bucket)"
+# the op links of sequence parallelism's activation all-gathers and reduce-scatters, where they have their
+# own (CPU ranks: tens to hundreds of kB each, issued every few ms inside forward and backward; FSDP's
+# parameter gathers, on which the generic rows were fitted, put them 25% and 15% over what they measured)
+SP_GATHER = "all_gather (sequence parallel)"
+SP_SCATTER = "reduce_scatter (sequence parallel)"
 # DeepSpeed's default allgather_bucket_size (elements): ZeRO-1/2 gather the updated partitions in buckets of this
 ALLGATHER_BUCKET = 500_000_000
 DEFAULT_SEQ = 2048
@@ -455,8 +460,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         bus_dp = 2 * frac * shard * 4
         tp_comm = tp > 1 and m.hidden  # activation traffic needs the model's width
         # CPU ranks: the in-compute collectives' wait for the other rank, on the first of them counted
-        # (not under sequence parallelism: its gathers and scatters cost what the links, fitted on FSDP's
-        # in training, give: measured within -20..+12% each on 4 shapes, where SYNC_WAIT put them 2x over)
+        # (not under sequence parallelism: its gathers and scatters have links of their own, fitted on
+        # tp --sp runs in training, which hold that wait; SYNC_WAIT had put them 2x over)
         wait = cpu_costs.sync_wait_s(layout, e.compute_s) if cpu and not (tp_comm and sp) else 0.0
         if tp_comm:
             s, b, h = seq, t.micro_batch, m.hidden
@@ -471,8 +476,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 scatters = 4 * layers_here * t.grad_accum
                 if cpu:  # DTensor's redistribute per gather / scatter: host work (nbtool.plan.cpu_costs)
                     e.compute_s += hw.host_speed * cpu_costs.S_PER_SP_COLLECTIVE * (gathers + scatters)
-                e.add_comm(hw, "all_gather", tp, gathers, gathers * per_op)
-                e.add_comm(hw, "reduce_scatter", tp, scatters, scatters * per_op)
+                e.add_comm(hw, "all_gather", tp, gathers, gathers * per_op, link=SP_GATHER)
+                e.add_comm(hw, "reduce_scatter", tp, scatters, scatters * per_op, link=SP_SCATTER)
                 # the sequence-parallel norms' gradients, partial on each tp rank: one fp32 all-reduce a
                 # step (LayerNorm's weight and bias, RMSNorm's weight; two norms a layer)
                 norms = 2 * layers_here * h * (1 if m.gated_mlp else 2)

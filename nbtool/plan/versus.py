@@ -537,13 +537,21 @@ def _op_rows(run, e: Estimate, hw: Hardware) -> list:
             rows.append(Row(f"    {op}", measured, None, "s", "blocked on it, median; not in the planner's model"
                             f" ({n:g} a step: the cell's or nbtool's own)"))
             continue
-        alpha, bw = hw.bandwidth(run.world_size, next((c.link for c in e.comms if c.op == op and c.link), op), op)
+        by_link: dict = {}  # an op's collectives may take different links (tp x fsdp: sp's gathers, fsdp's)
+        for c in e.comms:
+            if c.op == op:
+                by_link[c.link or op] = by_link.get(c.link or op, 0) + c.count
+        model = []
+        for link, count in by_link.items():
+            alpha, bw = hw.bandwidth(run.world_size, link, op)
+            model.append(f"{count:g} x alpha {alpha * 1e6:.0f} us + bytes / B {bw / 1e9:.2f} GB/s"
+                         + (f" ({link})" if len(by_link) > 1 else ""))
         note = f"{n:g} a step measured, the planner counts {counts[op]:g}" if abs(n - counts[op]) > 0.5 else ""
         wait = sum(c.wait_s for c in e.comms if c.op == op)
         rows.append(Row(f"    {op}", measured, predicted[op], "s",
-                        f"blocked on it, median; model: {counts[op]:g} x alpha {alpha * 1e6:.0f} us + bytes / "
-                        f"B {bw / 1e9:.2f} GB/s" + (f" + {wait * 1e3:.1f} ms waiting for the other rank's host "
-                                                    "work (CPU ranks)" if wait else ""), note=note))
+                        "blocked on it, median; model: " + "; ".join(model)
+                        + (f" + {wait * 1e3:.1f} ms waiting for the other rank's host work (CPU ranks)" if wait else ""),
+                        note=note))
     return rows
 
 
