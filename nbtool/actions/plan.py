@@ -116,7 +116,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
                 and state.calibration[0].devices_per_node == hw.devices_per_node:
             from dataclasses import replace
 
-            cal, name = state.calibration
+            cal, name, _ = state.calibration
             hw = replace(hw, intra_latency=cal.intra_latency, intra_bw=cal.intra_bw, peak_flops=cal.peak_flops,
                          host_speed=cal.host_speed if hw.host_speed is not None else None,
                          matmul_flops=cal.matmul_flops or hw.matmul_flops,
@@ -197,8 +197,9 @@ def versus_for(state: Session, run):
 
     if state.versus.get(run.name) is not None and state.versus[run.name].run is run:
         return state.versus[run.name]  # as predicted when it ran, before the planner was calibrated on it
-    if state.calibration is not None and state.calibration[1] != run.name:
-        hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}"
+    if state.calibration is not None and state.calibration[2] is not run:  # the run before, even of the same name
+        hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}" + (
+            " (the one before this)" if state.calibration[1] == run.name else "")
     else:
         hw, source = calibrate(run), "calibrated on this run (its times fit by construction)"
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
@@ -225,4 +226,4 @@ def after_run(state: Session, run, show: bool) -> None:
             print(followed(run, s))
         for i, s in enumerate(state.advice, 1):
             print(s.text(i))
-    state.calibration = (calibrate(run), run.name)
+    state.calibration = (calibrate(run), run.name, run)

@@ -11,7 +11,7 @@ class Session:
     runs: dict = field(default_factory=dict)  # recorded runs by name (a later run takes over its name)
     last: object = None  # the newest RunRecords, failed runs included (for inspection)
     commbench: object = None  # the last CommbenchResult, whose link fit the planner uses
-    # (Hardware, what it was measured on): links and compute rate calibrated on the latest good run
+    # (Hardware, its run's name, that run): links and compute rate calibrated on the latest good run
     calibration: tuple | None = None
     versus: dict = field(default_factory=dict)  # run name -> its Versus, predicted before it was calibrated on
     advice: list = field(default_factory=list)  # nbtool.plan.advice.Suggestion of the latest run

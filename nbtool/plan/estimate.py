@@ -193,6 +193,9 @@ class Estimate:
     # what each device owns over a step (params, grads, optimizer: the ledger's categories); ``device``
     # is what it holds at the predicted peak, which may lack some (no gradients yet at backward's start)
     states: dict = field(default_factory=dict)
+    # ZeRO in mixed precision with Adam: DeepSpeed's estimator's model states, which ``device`` is built
+    # from (its full 16-bit gradients among them, counted at their moment); ``states`` stays the ledger's
+    estimator_states: dict = field(default_factory=dict)
     peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
     # reduce-scatter" (ZeRO-3): where ``device`` is taken
 
@@ -581,6 +584,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             elif layout == ZERO3_OFFLOAD:
                 e.device.update(buffers=4 * largest)
                 e.host = psi * 18 * 1.5 / hw.nodes
+            e.estimator_states = _owned(e.device)
         # the contiguous reduce bucket; ZeRO-1/2 overlapping the reduction with backward double-buffer it
         # (measured on CPU ranks: 3.77 GiB with --overlap-comm against 1.91 without, 5e8 fp32 elements each)
         e.device["buffers"] = e.device.get("buffers", 0) + reduce_bucket * g * (2 if overlap_comm and stage < 3 else 1)
@@ -647,6 +651,15 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
                     buffers_at_step=layout == DDP, reduce_at=reduce_at)
+    if layout.is_zero:
+        # what the ranks own over a step is the ledger theory's (the recorder's ledger to the byte, bf16
+        # and offload included: tests/test_strategies.py), also where the peak's figures are DeepSpeed's
+        # estimator's (mixed precision with Adam: its full 16-bit gradients, counted at their moment) or
+        # leave offload's host-side states unsplit (fp32)
+        led = expected_ledger(layout.strategy, t.precision, numels, n, optimizer=ledger_optimizer,
+                              persistence_threshold=persistence_threshold, offload=layout.offload)
+        e.states = dict(params=led["params"], grads=led["grads"],
+                        optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
     return e
 
 

@@ -436,15 +436,13 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     # tensor parallelism alone, every block's parts sharded (--sp refuses anything else): the planner
     # counts its collectives exactly; parts a plan leaves whole skip theirs
     tp_bytes_exact = tp_exact and tp == run.world_size and run.description.details.get("tp_whole_parts") == 0
-    # the ledger theory is exact where the planner uses it; ZeRO in mixed precision with Adam uses
-    # DeepSpeed's own estimator instead (see nbtool.plan.estimate)
-    ledger_based = not mesh and (not run.strategy.startswith("zero") or training.precision == "fp32"
-                                 or not training.optimizer.startswith("adam"))
+    # the planner's states are the ledger theory's (exact) for data parallelism, ZeRO in bf16 and with
+    # offload included (its peak's figures are DeepSpeed's estimator's there: nbtool.plan.estimate)
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
                     "ledger (bytes of the tensors each rank owns), max rank",
-                    TOLERANCE["model states"] if ledger_based or tp_exact else None,
-                    "" if tp_exact else "the planner splits every parameter over tp x pp; embeddings, norms and "
-                    "biases stay whole" if mesh else "" if ledger_based else "DeepSpeed's estimator, not the ledger theory"))
+                    TOLERANCE["model states"] if not mesh or tp_exact else None,
+                    "" if tp_exact or not mesh else "the planner splits every parameter over tp x pp; embeddings, "
+                    "norms and biases stay whole"))
     if len(set(states.values())) > 1:  # ranks differ (pipeline stages, uneven shards): each one's
         rows += [Row(f"  model states, rank {r}", b, predicted_states, "B", "ledger") for r, b in sorted(states.items())]
     by_op = ", ".join(f"{op} {format_bytes(b)}" for op, b in summary["comm_bytes_per_step"].items() if b)
