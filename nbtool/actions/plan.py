@@ -226,4 +226,6 @@ def after_run(state: Session, run, show: bool) -> None:
             print(followed(run, s))
         for i, s in enumerate(state.advice, 1):
             print(s.text(i))
-    state.calibration = (calibrate(run), run.name, run)
+    # a bf16 run on CPU ranks keeps the run before's host speed (nbtool.plan.versus.calibrate)
+    before = state.calibration[0].host_speed if state.calibration is not None else None
+    state.calibration = (calibrate(run, host_speed=before), run.name, run)

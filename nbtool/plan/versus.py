@@ -335,7 +335,7 @@ def ran_on_cpu(run) -> bool:
     return all(m.cuda_peak is None for m in run.memory) and all(c.clock == "wall" for c in run.comms)
 
 
-def calibrate(run, base: Hardware | None = None) -> Hardware:
+def calibrate(run, base: Hardware | None = None, host_speed: float | None = None) -> Hardware:
     """The Hardware ``run`` implies: its collectives' alpha-beta fit and its achieved compute rate.
 
     Link: a weighted least-squares fit of seconds = alpha + bus bytes / B over
@@ -347,7 +347,11 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
     (``op_links``); the others keep the base's (on CPU ranks, the in-training table of
     nbtool.plan.cpu_costs.COLLECTIVES). Compute: peak_flops such that the planner's compute
     term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
-    outside communication. The returned Hardware's name says which of the two the run measured.
+    outside communication. On CPU ranks, a run in bf16 whose time is mostly its bf16 FLOPs at the
+    ranks' probed rate (the CPU emulates bf16) cannot tell the host's speed: a 10% miss of that rate
+    had made the host's work 3x (an fp32 run after it predicted +211%). It calibrates bf16's rate in
+    training instead and keeps ``host_speed`` (the run before's; else the CPU reference's).
+    The returned Hardware's name says which of the two the run measured.
     """
     from ..commbench import fit_alpha_beta
     from .inputs import HARDWARE_PRESETS
@@ -389,13 +393,24 @@ def calibrate(run, base: Hardware | None = None) -> Hardware:
             # faster or slower bf16 computes here: a run in one precision predicts the other
             probe = run.description.matmul_flops
             hw = replace(hw, matmul_flops=tuple(probe) if probe else hw.matmul_flops)
-            hw = replace(hw, host_speed=cpu_costs.host_speed_of(as_layout(layout), training.precision, flops / 1e9,
-                                                                len(shape.numels) / pp, compute, hw.bf16_flops,
-                                                                training.grad_accum if pp > 1 else 1))
+            args = (as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
+            micro = training.grad_accum if pp > 1 else 1
+            fixed = cpu_costs.step_s(*args, 0.0, hw.bf16_flops, micro)  # bf16's FLOPs at the probed rate
+            kept = host_speed or (base.host_speed if base is not None and base.host_speed else 1.0)
+            host = cpu_costs.step_s(*args, kept, hw.bf16_flops, micro) - fixed  # the host's work at that speed
+            rated, probed = None, hw.bf16_flops  # rated: bf16's FLOP rate in this run's training, where the
+            # run tells that and not the host's speed
+            if fixed > compute / 2 and compute > host:
+                rated = flops / (compute - host)
+                hw = replace(hw, host_speed=kept, matmul_flops=(hw.matmul_flops[0], rated))
+            else:
+                hw = replace(hw, host_speed=cpu_costs.host_speed_of(*args, compute, hw.bf16_flops, micro))
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
                     + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's" if cpu else "")
+                    + (" (kept: this bf16 run's time is mostly its FLOPs)" if cpu and rated else "")
                     + (f"; bf16 at {hw.bf16_flops / 1e9:.2g} GFLOP/s, x{hw.speedup_16bit:.2g} fp32's, measured"
-                       if cpu and hw.matmul_flops else "") + ")")
+                       + (" in this run's training (the ranks' probe: "
+                          f"{probed / 1e9:.2g})" if rated else "") if cpu and hw.matmul_flops else "") + ")")
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
