@@ -431,6 +431,7 @@ def test_a_reduce_bucket_that_fits_the_gradients_is_advised_and_frees_what_was_p
     # the timeline's bookkeeping is in this run's step: shown, not judged against the planner's step
     step = v.row("step time")
     assert step.measured > 0 and step.tolerance is None and "--memory-timeline's bookkeeping" in step.note, step
+    assert "this one's times hold the timeline's bookkeeping" in v.hardware_source, v.hardware_source
     assert s.line == f"zero2 --reduce-bucket-mb {mb} --memory-timeline", s
     assert s.before > 1.8 * 2**30 and s.predicted < 0.05 * s.before, s  # the bucket was nearly all of it
     assert "500,000,000 elements: 1.86 GiB" in s.why and "step time +0.0 ms" in s.effect, s

@@ -200,6 +200,10 @@ def versus_for(state: Session, run):
     if state.calibration is not None and state.calibration[2] is not run:  # the run before, even of the same name
         hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}" + (
             " (the one before this)" if state.calibration[1] == run.name else "")
+        timed = [r.description.spec.get("memory_timeline") is not None for r in (state.calibration[2], run)]
+        if timed[0] != timed[1]:  # the timeline's bookkeeping in one's times and not the other's
+            source += (", a --memory-timeline run: its bookkeeping is in the compute rate" if timed[0] else
+                       ", a run without --memory-timeline: this one's times hold the timeline's bookkeeping")
     else:
         hw, source = calibrate(run), "calibrated on this run (its times fit by construction)"
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
