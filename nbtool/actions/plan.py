@@ -193,14 +193,14 @@ def plan_vs_last(state: Session, deterministic: bool = False) -> None:
 def versus_for(state: Session, run):
     """The planner's prediction of ``run`` with the best hardware figures this kernel has: the
     calibration of the run before it (else of this run itself), with %commbench's link fit."""
-    from ..plan.versus import calibrate, versus
+    from ..plan.versus import calibrate, versus, with_timeline
 
     if state.versus.get(run.name) is not None and state.versus[run.name].run is run:
         return state.versus[run.name]  # as predicted when it ran, before the planner was calibrated on it
     if state.calibration is not None and state.calibration[2] is not run:  # the run before, even of the same name
         hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}" + (
             " (the one before this)" if state.calibration[1] == run.name else "")
-        timed = [r.description.spec.get("memory_timeline") is not None for r in (state.calibration[2], run)]
+        timed = [with_timeline(r) for r in (state.calibration[2], run)]
         if timed[0] != timed[1]:  # the timeline's bookkeeping in one's times and not the other's
             source += (", a --memory-timeline run: its bookkeeping is in the compute rate" if timed[0] else
                        ", a run without --memory-timeline: this one's times hold the timeline's bookkeeping")

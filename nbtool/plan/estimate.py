@@ -445,7 +445,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
         e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed,
-                                       hw.bf16_flops, t.grad_accum if pp > 1 else 1)
+                                       hw.bf16_flops, t.grad_accum)
     else:
         e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
 

@@ -330,6 +330,11 @@ def op_links(run, blocking_only: bool) -> dict:
     return out
 
 
+def with_timeline(run) -> bool:
+    """Whether ``run`` recorded a --memory-timeline (its times hold the timeline's bookkeeping)."""
+    return run.description.spec.get("memory_timeline") is not None  # "" or a directory: on
+
+
 def ran_on_cpu(run) -> bool:
     """Whether ``run``'s ranks were CPU ranks (no CUDA allocator figures, no device-timed collectives)."""
     return all(m.cuda_peak is None for m in run.memory) and all(c.clock == "wall" for c in run.comms)
@@ -394,7 +399,7 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
             probe = run.description.matmul_flops
             hw = replace(hw, matmul_flops=tuple(probe) if probe else hw.matmul_flops)
             args = (as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
-            micro = training.grad_accum if pp > 1 else 1
+            micro = training.grad_accum
             fixed = cpu_costs.step_s(*args, 0.0, hw.bf16_flops, micro)  # bf16's FLOPs at the probed rate
             kept = host_speed or (base.host_speed if base is not None and base.host_speed else 1.0)
             host = cpu_costs.step_s(*args, kept, hw.bf16_flops, micro) - fixed  # the host's work at that speed
@@ -406,8 +411,7 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
             else:
                 hw = replace(hw, host_speed=cpu_costs.host_speed_of(*args, compute, hw.bf16_flops, micro))
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
-                    + (" with --memory-timeline's bookkeeping"
-                       if run.description.spec.get("memory_timeline") is not None else "")
+                    + (" with --memory-timeline's bookkeeping" if with_timeline(run) else "")
                     + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's" if cpu else "")
                     + (" (kept: this bf16 run's time is mostly its FLOPs)" if cpu and rated else "")
                     + (f"; bf16 at {hw.bf16_flops / 1e9:.2g} GFLOP/s, x{hw.speedup_16bit:.2g} fp32's, measured"
@@ -500,7 +504,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     stalls = f" (mean {mean_s * 1e3:.1f} ms: some steps stalled)" if step_s and mean_s > 1.1 * step_s else ""
     # --memory-timeline's bookkeeping is in this run's times (x1.10-x1.51 the step at the median by
     # strategy, x1.01-x2.03 single runs: benchmarks/plan_accuracy.py's pairs); the planner's step has none
-    timeline = run.description.spec.get("memory_timeline") is not None  # "" or a directory: on
+    timeline = with_timeline(run)
     rows.append(Row("step time", step_s, e.step_s, "s", f"wall time on rank 0, median of steps 2..N{stalls}",
                     None if timeline else TOLERANCE["step time"],
                     "not judged: --memory-timeline's bookkeeping is in it (x1.1-x1.5 the step by strategy here); "
