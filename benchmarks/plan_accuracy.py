@@ -122,9 +122,11 @@ def main() -> None:
         ap.error(f"--strategies: {', '.join(unknown)} not among {', '.join(STRATEGIES + MORE)}")
     if unknown := sorted(set(a.shapes.split(",")) - set(SHAPES)):
         ap.error(f"--shapes: {', '.join(unknown)} not among {', '.join(SHAPES)}")
-    if a.repeat < 1 or a.steps < 2 or not 1 <= a.timeline_repeat <= a.repeat:
-        ap.error("--repeat must be >= 1, --timeline-repeat 1..--repeat and --steps >= 2 "
+    if a.repeat < 1 or a.steps < 2:
+        ap.error(f"--repeat {a.repeat}, --steps {a.steps}: --repeat must be >= 1 and --steps >= 2 "
                  "(step 1 holds the set-up and is left out)")
+    if not 1 <= a.timeline_repeat <= a.repeat:
+        ap.error(f"--timeline-repeat {a.timeline_repeat}: must be 1..{a.repeat} (--repeat)")
     chosen = [line for line in STRATEGIES + MORE if line in asked or line in ("ddp", "fsdp")]
     import os
     import statistics
