@@ -145,9 +145,8 @@ def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_sp
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
     reference's, for ``gflop`` and ``tensors`` per rank and ``microbatches`` a step (a pipeline's
     stage runs its tensors' forward and backward once per micro-batch; only its row has terms for
-    them); ``bf16_flops``: where the
-    ranks measured it (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate,
-    unscaled."""
+    them); ``bf16_flops``: where the ranks measured it (nbtool.rank.matmul_probe), a bf16 run's
+    FLOPs take their time at that rate, unscaled."""
     row = _row(layout, precision)
     host = ((S_PER_TENSOR[row] + S_PER_TENSOR_MICROBATCH.get(row, 0.0) * microbatches) * tensors
             + S_PER_MICROBATCH.get(row, 0.0) * microbatches)
