@@ -66,6 +66,13 @@ def train_steps(name: str, steps: int, warmup: int) -> list[float]:
         times.append(time.perf_counter() - t0)
         if i + 1 == warmup + steps:
             break
+    if name != "ddp":
+        # untimed: inside an engine (strategy_overhead's in-engine arm) the process outlives the loop, and an
+        # engine left alive (autograd hooks close over it) burdens every later round, nbtool's cells included
+        from nbtool.rank.strategies.zero import _release_deepspeed_globals
+
+        model.destroy()
+        _release_deepspeed_globals()
     return times[warmup:]
 
 
