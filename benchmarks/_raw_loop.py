@@ -67,8 +67,8 @@ def train_steps(name: str, steps: int, warmup: int) -> list[float]:
         if i + 1 == warmup + steps:
             break
     if name != "ddp":
-        # untimed: inside an engine (strategy_overhead's in-engine arm) the process outlives the loop, and an
-        # engine left alive (autograd hooks close over it) burdens every later round, nbtool's cells included
+        # untimed: in strategy_overhead's in-engine arm the ipyparallel engine outlives the loop, and a DeepSpeed
+        # engine left alive (autograd hooks close over it) burdens its every later round, nbtool's cells included
         from nbtool.rank.strategies.zero import _release_deepspeed_globals
 
         model.destroy()
