@@ -52,8 +52,8 @@ def main() -> None:
     ap.add_argument("script", help="a benchmark in benchmarks/, e.g. dispatch.py")
     ap.add_argument("--runs", type=int, default=3)
     argv = sys.argv[1:]
-    rest = argv[argv.index("--") + 1:] if "--" in argv else []
-    a = ap.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a, rest = ap.parse_args(argv[:cut]), argv[cut + 1:]
     script = HERE / a.script
     if not script.is_file() or script.suffix != ".py":
         ap.error(f"{a.script}: not a benchmark script in {HERE}")
@@ -74,6 +74,8 @@ def main() -> None:
         if None not in values and values not in seen:
             names.append(n)
             seen.add(values)
+    if not names:
+        sys.exit(f"{a.script} printed no figure in every run (a '... median X of N pairs' or 'name=value' line)")
     print(f"\n{a.script} {' '.join(rest)}: {a.runs} consecutive runs")
     width = max(len(n) for n in names)
     for name in names:
