@@ -1,4 +1,5 @@
-"""benchmarks/consecutive.py reads what the ratio benchmarks print (through _paired.ratio_line) and judges it."""
+"""benchmarks/consecutive.py reads what the ratio benchmarks print (through _paired.ratio_line) and judges it;
+benchmarks/_turns.py makes two jobs alternate step by step, never overlapping."""
 from __future__ import annotations
 
 import subprocess
@@ -10,6 +11,7 @@ sys.path.insert(0, str(BENCH))
 
 import consecutive  # noqa: E402
 from _paired import ratio_line  # noqa: E402
+from _turns import Pipes  # noqa: E402
 
 
 def test_figures_reads_the_paired_lines_and_the_final_values(capsys):
@@ -34,3 +36,36 @@ def test_bad_arguments_are_named():
         out = subprocess.run([sys.executable, str(BENCH / "consecutive.py"), *args], capture_output=True, text=True,
                              timeout=60)
         assert out.returncode == 2 and said in out.stderr, out.stderr
+
+
+JOB = """
+import sys, time
+sys.path.insert(0, {bench!r})
+import torch.distributed as dist
+from _turns import Turns
+folder, me, other = sys.argv[1:4]
+dist.init_process_group("gloo", init_method=f"file://{{folder}}/{{me}}.store", rank=0, world_size=1)
+turns = Turns(folder, me, other, 0, 1, timeout_s=30)
+for i in range(4):
+    turns.wait()
+    with open(f"{{folder}}/log", "a") as f:
+        f.write(f"{{me}}{{i}}<")
+    time.sleep(0.05)  # a step: the other job must not start inside it
+    with open(f"{{folder}}/log", "a") as f:
+        f.write(">")
+    turns.give()
+turns.close()
+dist.destroy_process_group()
+"""
+
+
+def test_turns_alternate_step_by_step(tmp_path):
+    """Two real jobs (gloo, one rank each) on the pipes: strict alternation from the job given the first turn."""
+    code = JOB.format(bench=str(BENCH))
+    with Pipes(tmp_path, {"a": 1, "b": 1}) as pipes:
+        pipes.give("b")
+        procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path), me, other])
+                 for me, other in (("a", "b"), ("b", "a"))]
+        assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert (tmp_path / "log").read_text() == "".join(f"b{i}<>a{i}<>" for i in range(4))
+    assert not list(tmp_path.glob("[ab].0"))  # the pipes are gone with the exchange
