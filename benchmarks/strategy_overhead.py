@@ -43,6 +43,7 @@ from _turns import Pipes
 
 HERE = Path(__file__).resolve().parent
 
+
 def torchrun_cmd(*args: str) -> list[str]:
     from nbtool.cluster import free_port
 
@@ -79,10 +80,11 @@ class WarmTorchrun:
     def result(self, out: Path) -> list[float]:
         deadline = time.monotonic() + self.timeout_s
         while not out.exists():
-            if self.proc.poll() is not None or time.monotonic() > deadline:
+            exited = self.proc.poll() is not None
+            if exited or time.monotonic() > deadline:
                 tail = (self.dir / "torchrun.log").read_text().strip().splitlines()[-5:]
-                raise RuntimeError(f"warm torchrun {'exited ' + str(self.proc.returncode) if self.proc.poll() is not None else 'timed out'} "
-                                   f"on {out.stem}; last log lines:\n" + "\n".join(tail))
+                raise RuntimeError(f"warm torchrun {f'exited {self.proc.returncode}' if exited else 'timed out'} "
+                                   f"on request {out.stem}; last log lines:\n" + "\n".join(tail))
             time.sleep(0.01)
         return json.loads(out.read_text())
 
