@@ -72,7 +72,7 @@ def train_steps(name: str, steps: int, warmup: int, turns: list | None = None) -
     if turns:
         from _turns import Turns
 
-        turns = Turns(*turns[:3], dist.get_rank(), *turns[3:])
+        turns = Turns(*turns, dist.get_rank())
     torch.manual_seed(0)
     model = TinyTransformer(**MODEL)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

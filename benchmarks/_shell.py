@@ -31,7 +31,7 @@ model = TinyTransformer(vocab=256, dim=256, heads=4, layers=4, seq=32)
 optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
 model, optimizer = strategy.prepare(model, optimizer)
 data = SyntheticTokens(samples=4096, seq=32, vocab=256)
-turns = {turns} and __import__("_turns").Turns(*{turns}[:3], torch.distributed.get_rank(), *{turns}[3:])
+turns = {turns} and __import__("_turns").Turns(*{turns}, torch.distributed.get_rank())
 times = []
 for i, (x, y) in enumerate(strategy.dataloader(data, batch_size=8, shuffle=False)):
     turns and turns.wait()

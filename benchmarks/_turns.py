@@ -10,7 +10,7 @@ over seconds hits both alike.
     with Pipes(folder, {"a": 2, "b": 2}) as pipes:   # the coordinator, for the whole exchange
         pipes.give("a")                              # a's first turn
         ...                                          # start both jobs, wait for their ends
-    turns = Turns(folder, "a", "b", rank, 2)         # on each rank of job a
+    turns = Turns(folder, "a", "b", 2, rank)         # on each rank of job a
     turns.wait(); <step>; turns.give()
 """
 from __future__ import annotations
@@ -51,7 +51,7 @@ class Pipes:
 def give(folder, job: str, ranks: int) -> None:
     """Give ``job`` the turn: a byte to each of its ranks' pipes."""
     for r in range(ranks):
-        fd = os.open(_pipe(folder, job, r), os.O_RDWR)  # O_RDWR: a FIFO's open never blocks so
+        fd = os.open(_pipe(folder, job, r), os.O_RDWR)  # O_RDWR: a FIFO's open then never blocks
         try:
             os.write(fd, b"t")
         finally:
@@ -59,7 +59,9 @@ def give(folder, job: str, ranks: int) -> None:
 
 
 class Turns:
-    def __init__(self, folder, me: str, other: str, rank: int, other_ranks: int, timeout_s: float = 300.0):
+    """One rank's side; ``Turns(folder, me, other, other_ranks, rank)``, the first four as the job was told."""
+
+    def __init__(self, folder, me: str, other: str, other_ranks: int, rank: int, timeout_s: float = 300.0):
         self.folder, self.other, self.rank, self.other_ranks = folder, other, rank, other_ranks
         self.fd = os.open(_pipe(folder, me, rank), os.O_RDWR)
         self.timeout_s = timeout_s

@@ -35,42 +35,27 @@ from _shell import cluster_shell, nbtool_cluster
 SIZES = [2**20 * k for k in (1, 2, 4, 8, 16, 32, 64)]
 
 
-def raw_loop(size_bytes: int, iters: int, warmup: int, repeat: int) -> list[float]:
-    """Runs on each rank: seconds per dist.all_reduce of size_bytes (float32), one per batch."""
+def timed_loop(op: str, size_bytes: int, iters: int, warmup: int, repeat: int) -> list[float]:
+    """Runs on each rank: seconds per call, one per batch, of ``op`` on size_bytes (float32).
+
+    ``op``: "all_reduce" (the hand-written loop), or "copy" between two tensors within the rank
+    (no communication; both ranks copy at once, as both move memory during a collective).
+    """
     import time
 
     import torch
     import torch.distributed as dist
 
-    buf = torch.ones(size_bytes // 4)
+    buf, dst = torch.ones(size_bytes // 4), torch.empty(size_bytes // 4)
+    call = (lambda: dist.all_reduce(buf)) if op == "all_reduce" else (lambda: dst.copy_(buf))
     for _ in range(warmup):
-        dist.all_reduce(buf)
+        call()
     out = []
     for _ in range(repeat):
         dist.barrier()
         t0 = time.perf_counter()
         for _ in range(iters):
-            dist.all_reduce(buf)
-        out.append((time.perf_counter() - t0) / iters)
-    return out
-
-
-def copy_loop(size_bytes: int, iters: int, warmup: int, repeat: int) -> list[float]:
-    """Runs on each rank: seconds per copy of size_bytes between two tensors, one per batch (no communication)."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    src, dst = torch.ones(size_bytes // 4), torch.empty(size_bytes // 4)
-    for _ in range(warmup):
-        dst.copy_(src)
-    out = []
-    for _ in range(repeat):
-        dist.barrier()  # both ranks copy at once, as both move memory during a collective
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            dst.copy_(src)
+            call()
         out.append((time.perf_counter() - t0) / iters)
     return out
 
@@ -102,16 +87,17 @@ def main() -> None:
         assert res.wrong == 0
         nb[s].append(res.rows[0]["busbw"])
 
+    def seconds(op, s, calls):
+        per_rank = view.apply_sync(timed_loop, op, s, calls, a.warmup, a.repeat)
+        return statistics.median(max(vals) for vals in zip(*per_rank))  # slowest rank per batch
+
     def raw_busbw(s):
-        per_rank = view.apply_sync(raw_loop, s, iters(s), a.warmup, a.repeat)
-        t = statistics.median(max(vals) for vals in zip(*per_rank))  # slowest rank per batch
-        return s / t * 2 * (2 - 1) / 2
+        return s / seconds("all_reduce", s, iters(s)) * 2 * (2 - 1) / 2
 
     def copy_rate(s):
         # a copy runs 8-40x faster than the all-reduce of the same bytes: 16x the calls give its batches
         # about the all-reduce's length (0.1-0.5 s), so the same noise bursts weigh alike in both
-        per_rank = view.apply_sync(copy_loop, s, 16 * iters(s), a.warmup, a.repeat)
-        return s / statistics.median(max(vals) for vals in zip(*per_rank))
+        return s / seconds("copy", s, 16 * iters(s))
 
     arms = (nbtool_arm, lambda s: raw[s].append(raw_busbw(s)), lambda s: ctl[s].append(raw_busbw(s)),
             lambda s: mem[s].append(copy_rate(s)))

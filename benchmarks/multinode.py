@@ -80,7 +80,7 @@ def _add_path(path: str) -> None:
 def inside(cfg: dict, rounds: int) -> dict:
     """The benchmark, in the first namespace."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from commbench_fidelity import raw_loop
+    from commbench_fidelity import timed_loop
 
     from _shell import nbtool_cluster, shell
 
@@ -117,7 +117,7 @@ def inside(cfg: dict, rounds: int) -> dict:
 
         def loop_arm():
             for s in SIZES:
-                per_rank = view.apply_sync(raw_loop, s, 10, 3, 3)
+                per_rank = view.apply_sync(timed_loop, "all_reduce", s, 10, 3, 3)
                 t = statistics.median(max(vals) for vals in zip(*per_rank))
                 raw[s].append(s / t)  # 2 ranks: busbw = algbw x 2(n-1)/n = algbw
 

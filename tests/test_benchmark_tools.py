@@ -45,7 +45,7 @@ import torch.distributed as dist
 from _turns import Turns
 folder, me, other = sys.argv[1:4]
 dist.init_process_group("gloo", init_method=f"file://{{folder}}/{{me}}.store", rank=0, world_size=1)
-turns = Turns(folder, me, other, 0, 1, timeout_s=30)
+turns = Turns(folder, me, other, 1, 0, timeout_s=30)
 for i in range(4):
     turns.wait()
     with open(f"{{folder}}/log", "a") as f:
