@@ -1,18 +1,20 @@
 """Does %commbench report what the interconnect delivers, and does it say the same twice?
 
 On one 2-rank cluster, for sizes 1 MiB .. 64 MiB: busbw from
-``%commbench all_reduce --repeat R`` against a raw, hand-written timed loop of
-``dist.all_reduce`` on the same ranks, measured the same way (warm-up, R
-batches after a barrier each, the slowest rank per batch, the median over
-batches). Each batch is at least ``--iters`` calls and ``--batch-mib`` MiB, so
-small sizes, whose calls on this machine are either ~0.5 ms or a ~4 ms
-scheduler tick, get enough calls for a batch's mean to settle. Size by size,
-the arms run back to back (rotating which goes first), ``--rounds`` times, on
-the same warm processes, with a third arm: the raw loop again, an A/A control
-whose ratio to the raw arm is what noise alone gives; and a fourth that copies
-the same bytes within each rank (no communication; 16 times the calls, so its
-batches last about as long), whose spread over rounds says whether the drift
-is the machine's memory rather than the links.
+``%commbench all_reduce`` against a raw, hand-written timed loop of
+``dist.all_reduce`` on the same ranks, measured the same way (passes over
+the sizes, one batch per size and pass after a barrier, the slowest rank per
+batch, the median over a size's batches). A batch is at least ``--iters``
+calls and lasts at least ``--min-batch-ms`` (%commbench's option: small
+sizes, whose calls on this machine are either ~0.5 ms or a ~4 ms scheduler
+tick, get more calls; the raw loop makes as many as %commbench chose). A
+round interleaves ``--repeat`` passes of each arm (rotating which goes
+first), on the same warm processes: nbtool's are one-pass %commbench sweeps,
+whose median is what ``--repeat R`` computes over its own passes. Besides the
+two, a third arm runs the raw loop again (an A/A control whose ratio to the
+raw arm is what noise alone gives), and a fourth copies the same bytes within
+each rank (no communication; 4 times the calls), whose spread over rounds
+says whether the drift is the machine's memory rather than the links.
 
 Prints per size the medians over rounds and the spread of the per-round
 ratios, then:
@@ -35,8 +37,11 @@ from _shell import cluster_shell, nbtool_cluster
 SIZES = [2**20 * k for k in (1, 2, 4, 8, 16, 32, 64)]
 
 
-def timed_loop(op: str, size_bytes: int, iters: int, warmup: int, repeat: int) -> list[float]:
-    """Runs on each rank: seconds per call, one per batch, of ``op`` on size_bytes (float32).
+def timed_loop(op: str, sizes: list[int], iters: int | dict, warmup: int, repeat: int) -> dict[int, list[float]]:
+    """Runs on each rank: {size: seconds per call, one per batch} of ``op`` on float32, in ``repeat``
+    passes over the sizes as %commbench makes them (nbtool.rank.commbench): per pass one batch of
+    ``iters`` calls per size (or ``iters[size]``), after ``warmup`` untimed calls in the first pass and
+    one in later ones; every size a prefix of one buffer of the largest.
 
     ``op``: "all_reduce" (the hand-written loop), or "copy" between two tensors within the rank
     (no communication; both ranks copy at once, as both move memory during a collective).
@@ -46,18 +51,27 @@ def timed_loop(op: str, size_bytes: int, iters: int, warmup: int, repeat: int) -
     import torch
     import torch.distributed as dist
 
-    buf, dst = torch.ones(size_bytes // 4), torch.empty(size_bytes // 4)
-    call = (lambda: dist.all_reduce(buf)) if op == "all_reduce" else (lambda: dst.copy_(buf))
-    for _ in range(warmup):
-        call()
-    out = []
-    for _ in range(repeat):
-        dist.barrier()
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            call()
-        out.append((time.perf_counter() - t0) / iters)
+    top = max(sizes) // 4
+    big, big_dst = torch.ones(top), torch.empty(top)
+    out: dict[int, list[float]] = {s: [] for s in sizes}
+    for p in range(repeat):
+        for s in sizes:
+            buf, dst = big[: s // 4], big_dst[: s // 4]
+            call = (lambda: dist.all_reduce(buf)) if op == "all_reduce" else (lambda: dst.copy_(buf))
+            for _ in range(warmup if p == 0 else min(warmup, 1)):
+                call()
+            n = iters[s] if isinstance(iters, dict) else iters
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(n):
+                call()
+            out[s].append((time.perf_counter() - t0) / n)
     return out
+
+
+def slowest_rank_medians(per_rank: list[dict[int, list[float]]]) -> dict[int, float]:
+    """{size: the median over batches of the slowest rank's seconds per call}, as %commbench reports."""
+    return {s: statistics.median(max(vals) for vals in zip(*(r[s] for r in per_rank))) for s in per_rank[0]}
 
 
 def spread(values: list[float]) -> float:
@@ -67,51 +81,52 @@ def spread(values: list[float]) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--iters", type=int, default=20, help="calls per batch, at least")
-    ap.add_argument("--batch-mib", type=int, default=256,
-                    help="and at least this many MiB per batch: small sizes get more calls")
-    ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=40, help="calls per batch, at least")
+    ap.add_argument("--min-batch-ms", type=float, default=150,
+                    help="%%commbench's floor: sizes whose --iters calls take less get more (the raw loop the same)")
+    ap.add_argument("--repeat", type=int, default=5, help="passes of each arm per round")
     ap.add_argument("--rounds", type=int, default=5)
     a = ap.parse_args()
     ip = cluster_shell()
     view = nbtool_cluster(ip).view([0, 1])
     nb, raw, ctl, mem = ({s: [] for s in SIZES} for _ in range(4))
+    calls: dict[int, int] = {}  # per size, the calls %commbench chose last: the raw arms make as many
 
-    def iters(s):
-        return max(a.iters, a.batch_mib * 2**20 // s)
+    def nbtool_pass(into):
+        res = ip.run_line_magic("commbench", f"all_reduce --sizes {SIZES[0]}B:{SIZES[-1]}B --factor 2 "
+                                             f"--iters {a.iters} --min-batch-ms {a.min_batch_ms} --warmup 1 "
+                                             "--repeat 1")
+        assert res.wrong == 0 and [r["size_bytes"] for r in res.rows] == SIZES
+        for r in res.rows:  # one pass: its slowest rank's batch per size
+            if into is not None:
+                into[r["size_bytes"]].append(r["seconds"])
+            calls[r["size_bytes"]] = r["iters"]
 
-    def nbtool_arm(s):
-        res = ip.run_line_magic("commbench", f"all_reduce --sizes {s}B --iters {iters(s)} --warmup {a.warmup} "
-                                             f"--repeat {a.repeat}")
-        assert res.wrong == 0
-        nb[s].append(res.rows[0]["busbw"])
+    def raw_pass(into, op="all_reduce", more=1):
+        per_rank = view.apply_sync(timed_loop, op, SIZES, {s: more * c for s, c in calls.items()}, 1, 1)
+        for s, t in slowest_rank_medians(per_rank).items():
+            into[s].append(t)
 
-    def seconds(op, s, calls):
-        per_rank = view.apply_sync(timed_loop, op, s, calls, a.warmup, a.repeat)
-        return statistics.median(max(vals) for vals in zip(*per_rank))  # slowest rank per batch
-
-    def raw_busbw(s):
-        return s / seconds("all_reduce", s, iters(s)) * 2 * (2 - 1) / 2
-
-    def copy_rate(s):
-        # a copy runs 8-40x faster than the all-reduce of the same bytes: 16x the calls give its batches
-        # about the all-reduce's length (0.1-0.5 s), so the same noise bursts weigh alike in both
-        return s / seconds("copy", s, 16 * iters(s))
-
-    arms = (nbtool_arm, lambda s: raw[s].append(raw_busbw(s)), lambda s: ctl[s].append(raw_busbw(s)),
-            lambda s: mem[s].append(copy_rate(s)))
-    # size by size, the arms back to back (rotating which goes first), so each set is measured
-    # within seconds: this machine's bandwidth drifts over seconds. The third arm is the raw loop
-    # again (an A/A control): its ratio to the raw arm is what the noise alone gives. The fourth
-    # copies the same bytes within each rank, no communication: whether the drift is the memory's
+    nbtool_pass(None)  # untimed: warms every size up and sets the calls
+    # a copy of >= 8 MiB runs 5-7x faster than the all-reduce of the same bytes (30-60x below, in
+    # cache): 4x the calls keep its batches no longer than the all-reduce's
+    arms = (nbtool_pass, raw_pass, raw_pass, lambda into: raw_pass(into, "copy", 4))
+    # a round: --repeat passes of each arm, interleaved (rotating which goes first), so the passes
+    # whose median each arm reports lie seconds apart and the machine's drift reaches the arms alike.
+    # nbtool's are %commbench sweeps of one pass each: the median over them is the statistic
+    # %commbench --repeat R computes over its own passes. The third arm is the raw loop again (an A/A
+    # control); the fourth copies the same bytes within each rank, no communication
     for i in range(a.rounds):
-        for j, s in enumerate(SIZES):
-            k = (i + j) % len(arms)
-            for arm in arms[k:] + arms[:k]:
-                arm(s)
+        times = [{s: [] for s in SIZES} for _ in arms]
+        for p in range(a.repeat):
+            k = (i * a.repeat + p) % len(arms)
+            for j in list(range(k, len(arms))) + list(range(k)):
+                arms[j](times[j])
+        for into, t in zip((nb, raw, ctl, mem), times):
+            for s in SIZES:  # busbw for 2 ranks (= algbw); the copy's bytes per second
+                into[s].append(s / statistics.median(t[s]))
     ratios, controls, spreads, raw_spreads, mem_spreads = [], [], [], [], []
-    print(f"{'size':>10} {'calls':>6} {'nbtool GB/s':>12} {'raw GB/s':>9} {'nbtool/raw':>10} {'per-round':>13} "
+    print(f"{'size':>10} {'nbtool GB/s':>12} {'raw GB/s':>9} {'nbtool/raw':>10} {'per-round':>13} "
           f"{'raw/raw (A/A)':>13} {'per-round':>13} {'nbtool run-to-run':>18} {'raw run-to-run':>15} "
           f"{'copy GB/s':>10} {'copy run-to-run':>16}")
     for s in SIZES:
@@ -125,7 +140,7 @@ def main() -> None:
             spreads.append(nb_spread)
             raw_spreads.append(raw_spread)
             mem_spreads.append(mem_spread)
-        print(f"{s // 2**20:>6} MiB {iters(s):>6} {n_bw / 1e9:>12.3f} {r_bw / 1e9:>9.3f} {ratios[-1]:>10.3f} "
+        print(f"{s // 2**20:>6} MiB {n_bw / 1e9:>12.3f} {r_bw / 1e9:>9.3f} {ratios[-1]:>10.3f} "
               f"{min(pair):>6.3f}..{max(pair):<5.3f} {controls[-1]:>13.3f} {min(aa):>6.3f}..{max(aa):<5.3f} "
               f"{nb_spread:>18.1%} {raw_spread:>15.1%} {statistics.median(mem[s]) / 1e9:>10.2f} {mem_spread:>16.1%}")
     ip.run_line_magic("cluster", "stop")
@@ -133,8 +148,8 @@ def main() -> None:
     floor = min(min(controls), 1 / max(controls))
     print(f"target commbench_fidelity >= 0.95: {'met' if fidelity >= 0.95 else 'NOT met'}; "
           f"commbench_repeatability <= 10%: {'met' if repeatability <= 0.10 else 'NOT met'} "
-          f"({a.rounds} rounds, {a.repeat} batches per size and round, each >= {a.iters} calls and "
-          f">= {a.batch_mib} MiB)")
+          f"({a.rounds} rounds of {a.repeat} interleaved passes per arm, batches of >= {a.iters} calls and "
+          f">= {a.min_batch_ms:g} ms)")
     # the noise of a shared 2-core machine moves single sizes both ways; a tool that distorts would
     # move them one way: the median over sizes says which, and the A/A control says how far noise
     # alone reaches when the same loop is compared with itself

@@ -80,7 +80,7 @@ def _add_path(path: str) -> None:
 def inside(cfg: dict, rounds: int) -> dict:
     """The benchmark, in the first namespace."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from commbench_fidelity import timed_loop
+    from commbench_fidelity import slowest_rank_medians, timed_loop
 
     from _shell import nbtool_cluster, shell
 
@@ -116,9 +116,8 @@ def inside(cfg: dict, rounds: int) -> dict:
                 nb[r["size_bytes"]].append(r["busbw"])
 
         def loop_arm():
-            for s in SIZES:
-                per_rank = view.apply_sync(timed_loop, "all_reduce", s, 10, 3, 3)
-                t = statistics.median(max(vals) for vals in zip(*per_rank))
+            seconds = slowest_rank_medians(view.apply_sync(timed_loop, "all_reduce", SIZES, 10, 3, 3))
+            for s, t in seconds.items():
                 raw[s].append(s / t)  # 2 ranks: busbw = algbw x 2(n-1)/n = algbw
 
         for arm in ((nbtool_arm, loop_arm) if i % 2 == 0 else (loop_arm, nbtool_arm)):

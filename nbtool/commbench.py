@@ -1,6 +1,7 @@
 """``%commbench`` results (kernel side, pure Python; plots are drawn by nbtool.widgets): sizes, table, fit.
 
-Per op and size each rank times ``repeat`` batches of ``iters`` calls. Each
+Per op each rank makes ``repeat`` passes over the sizes, timing one batch
+of ``iters`` calls per size and pass (nbtool.rank.commbench). Each
 repetition's time is nccl-tests': the mean time per call of the slowest rank;
 the reported time is the median over repetitions (``rep_min_s`` /
 ``rep_max_s``: their spread), and the fit uses these medians. min / median /
@@ -116,6 +117,7 @@ class CommbenchResult:
     inplace: bool
     label: str = ""
     repeat: int = 1
+    min_batch_s: float = 0.0  # sizes whose ``iters`` calls took less got more (each row's "iters")
     link: str = ""  # "intra-host" or "inter-host" when the ranks were chosen to measure one link (link_groups)
     rows: list = field(default_factory=list)  # one dict per (op, size)
     fits: dict = field(default_factory=dict)  # op -> Fit
@@ -137,7 +139,8 @@ class CommbenchResult:
             res.rows.append({"op": op, "size_bytes": rs[0]["size_bytes"], "count": count, "dtype": res.dtype,
                              "seconds": t, "rep_min_s": reps[0], "rep_max_s": reps[-1],
                              "min_s": times[0], "median_s": times[len(times) // 2], "max_s": times[-1],
-                             "algbw": alg, "busbw": bus, "wrong": sum(r["wrong"] for r in rs),
+                             "algbw": alg, "busbw": bus, "iters": rs[0].get("iters", res.iters),
+                             "wrong": sum(r["wrong"] for r in rs),
                              "clock": rs[0]["clock"]})
         for op in {r["op"] for r in res.rows}:
             pts = [r for r in res.rows if r["op"] == op]
@@ -181,10 +184,15 @@ class CommbenchResult:
         if not deterministic:
             head += (f" {'time(us)':>10} {'algbw(GB/s)':>11} {'busbw(GB/s)':>11} {'min/max(us) over repeats':>25}"
                      f" {'min/med/max(us) across ranks':>30}")
+        calls = not deterministic and self.min_batch_s > 0  # calls per batch differ by size
+        if calls:
+            head += f" {'iters':>8}"
         head += f" {'#wrong':>6}"
         link = f" ({self.link} link)" if self.link else ""
+        floor = f"batches >= {self.min_batch_s * 1e3:g} ms" + (": the iters column" if calls else "")
+        iters = f">= {self.iters} iters ({floor})" if self.min_batch_s > 0 else f"{self.iters} iters"
         lines = [f"# {self.label or 'commbench'}{link}: {self.backend}, ranks {self.ranks}, {self.dtype}, "
-                 f"{self.repeat} x {self.iters} iters after {self.warmup} warm-up (time: median of the repeats), "
+                 f"{self.repeat} passes x {iters} after {self.warmup} warm-up (time: median of the passes), "
                  f"{'in-place' if self.inplace else 'out-of-place'}",
                  head]
         for r in self.rows:
@@ -195,6 +203,8 @@ class CommbenchResult:
                 spread = f"{r.get('rep_min_s', r['seconds']) * 1e6:.1f}/{r.get('rep_max_s', r['seconds']) * 1e6:.1f}"
                 line += (f" {r['seconds'] * 1e6:>10.1f} {r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f} "
                          f"{spread:>25} {mmm:>30}")
+            if calls:
+                line += f" {r.get('iters', self.iters):>8}"
             lines.append(line + f" {r['wrong']:>6}")
         if not deterministic:
             for op, fit in sorted(self.fits.items()):

@@ -354,8 +354,13 @@ class NbtoolMagics(Magics):
     @argument("--dtype", default="float32", help="float32 (default), bfloat16 or float16")
     @argument("--iters", type=positive_int, default=20, help="timed calls per batch (default 20)")
     @argument("--repeat", type=positive_int, default=5,
-              help="timed batches per size (default 5): the time is their median, min/max their spread")
-    @argument("--warmup", type=int, default=5, help="untimed calls per size first (default 5)")
+              help="passes over the sizes, one timed batch per size each (default 5): the time is "
+                   "the median of a size's batches, min/max their spread")
+    @argument("--min-batch-ms", type=float, default=0.0,
+              help="more calls for sizes whose --iters calls take less than this (default 0: off); the "
+                   "calls each size got are in the table's iters column")
+    @argument("--warmup", type=int, default=5,
+              help="untimed calls per size in the first pass (default 5; one before each later batch)")
     @argument("--ranks", default=None, help="benchmark a subset of ranks, e.g. 0,1 (default: all, and on several "
                                             "hosts each link apart too)")
     @argument("--inplace", action="store_true",
@@ -366,10 +371,12 @@ class NbtoolMagics(Magics):
         """Measure collective latency and bandwidth on the running cluster, like nccl-tests.
 
         ``res = %commbench all_reduce all_gather --sizes 1KB:64MB``. For each op
-        and size: warm-up calls, then ``--repeat`` batches of ``--iters`` calls;
-        a batch's time is the slowest rank's mean per call, the reported time
-        the median over batches (their min/max shown as the spread); algbw = S/t, busbw = algbw x
-        the nccl-tests factor; every result is checked (#wrong). Returns a
+        ``--repeat`` passes over the sizes time one batch of ``--iters`` calls
+        per size (after warm-up calls), so a drift of the machine's speed moves
+        every size alike and the first pass draws the whole curve; a batch's
+        time is the slowest rank's mean per call, the reported time the median
+        over a size's batches (their min/max shown as the spread); algbw = S/t,
+        busbw = algbw x the nccl-tests factor; every result is checked (#wrong). Returns a
         CommbenchResult (table, ``.fits`` alpha-beta per op, ``.figure(*others)``
         to overlay results, ``.export(path)`` / ``CommbenchResult.load(path)``).
         On ranks of several hosts, without ``--ranks``, it then measures each
@@ -391,6 +398,8 @@ class NbtoolMagics(Magics):
             raise UsageError(f"--dtype {args.dtype!r} is not known; allowed: {', '.join(DTYPES)}")
         if args.warmup < 0:
             raise UsageError(f"--warmup {args.warmup}: must be >= 0")
+        if not 0 <= args.min_batch_ms <= 60_000:
+            raise UsageError(f"--min-batch-ms {args.min_batch_ms:g}: must be between 0 (off) and 60000")
         try:
             sizes = size_sweep(args.sizes, args.factor)
         except ValueError as e:
@@ -403,7 +412,8 @@ class NbtoolMagics(Magics):
         if len(ranks or range(cluster.world_size)) < 2:
             raise UsageError(f"--ranks {args.ranks}: a collective benchmark needs at least 2 ranks")
         return actions.commbench.commbench(self.session, cluster, ops, sizes, args.dtype, args.iters, args.warmup, ranks,
-                                 args.inplace, self.in_kernel, label=args.label, repeat=args.repeat)
+                                 args.inplace, self.in_kernel, label=args.label, repeat=args.repeat,
+                                 min_batch_s=args.min_batch_ms / 1e3)
 
     # -- %dist_plan -----------------------------------------------------------
     @magic_arguments()

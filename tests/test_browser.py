@@ -7,6 +7,7 @@ for the module; screenshots of failed checks go to ``out/browser/``.
 """
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -45,7 +46,8 @@ if rank == 0:
     time.sleep(120)
 dist.all_reduce(torch.ones(1))"""
 COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp --compile").replace("step == 59", "step == 19")
-COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 3 --warmup 1"
+# enough calls per batch that its 5 passes take seconds: the first pass's whole curve shows mid-run
+COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 1000 --warmup 1"
 PLAN = "%load_ext nbtool\n%dist_plan --model llama-2-7b --hardware a100-40gb"
 # the CUDA memory panel from recorded GPU figures (a CPU machine has none to measure)
 GPU_PANEL = """from nbtool.metrics import MemorySample, RunRecords
@@ -145,8 +147,15 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert "restarted" not in out and took < 10, (took, out)
     lab.run_and_wait(5, 120)
 
-    # %commbench: live plot, then its static figure in place
-    lab.run_and_wait(6, 120)
+    # %commbench: a live plot whose first pass draws every size while later passes run, then its static
+    # figure in place
+    lab.run(6)
+    title = "return Array.from(document.querySelectorAll('.jp-Cell')[6].querySelectorAll('.gtitle, .annotation-text'))" \
+            ".map(e => e.textContent).join(' | ')"
+    lab.wait(lambda: lab.busy() and lab.plots(6) and all(n == 8 for n in lab.plots(6)[0])
+             and re.search(r"live, pass [1-4] of 5", lab.js(title)), 60,
+             "the live %commbench plot did not show every size before its last pass")
+    lab.wait_idle(120)
     assert lab.js("return document.querySelectorAll('.jp-Cell')[6].querySelectorAll('.jupyter-widgets').length") == 0
     lab.shot_output(6, "commbench")
     bench = lab.plots(6)

@@ -129,7 +129,7 @@ def test_repeats_take_the_slowest_rank_per_repeat_then_the_median():
     (r,) = res.rows
     assert (r["rep_min_s"], r["seconds"], r["rep_max_s"]) == (2.0, 4.0, 5.0)  # per-repeat maxima 2, 5, 4
     assert (r["min_s"], r["max_s"]) == (2.0, 3.0)  # the ranks' own medians
-    assert "3 x 1 iters" in res.text()
+    assert "3 passes x 1 iters" in res.text()
 
 
 def test_every_op_gives_correct_values(ip, cluster, capsys):
@@ -150,6 +150,21 @@ def test_every_op_gives_correct_values(ip, cluster, capsys):
     assert set(res.fits) == set(BENCH_OPS)
     text = res.text(deterministic=True)
     assert "busfactor" in text and "#wrong" in text and "time(us)" not in text
+
+
+def test_min_batch_gives_short_sizes_more_calls(ip, cluster):
+    """--min-batch-ms: a size whose --iters calls would take less than the floor gets more calls, the same on
+    both ranks (else the ranks' collectives would not pair up), and its batches last about the floor."""
+    res = ip.run_line_magic("commbench", "all_reduce --sizes 4B:4KB --factor 32 --iters 2 --repeat 3 --warmup 1 "
+                                         "--min-batch-ms 30")
+    assert res.wrong == 0 and res.min_batch_s == 0.03
+    for r in res.rows:
+        assert r["iters"] > 10, r  # a 4 B all-reduce on gloo takes well under 3 ms
+        assert r["seconds"] * r["iters"] > 0.03 / 4, r  # the floor, within what a probe's noise may cost
+    assert "iters column" in res.text() and "iters" in res.text().splitlines()[1]
+    assert "iters" not in res.text(deterministic=True).splitlines()[1]  # calls per size vary with timing
+    plain = ip.run_line_magic("commbench", "all_reduce --sizes 4B:4KB --factor 32 --iters 2 --repeat 1 --warmup 1")
+    assert all(r["iters"] == 2 for r in plain.rows) and "iters column" not in plain.text()
 
 
 def test_inplace_bfloat16_and_subset(ip, cluster):
@@ -176,6 +191,7 @@ def test_export_and_overlay(ip, cluster, tmp_path):
     ("--sizes 1MB:4B", "min 1048576 B > max 4 B"),
     ("--dtype int8", "--dtype 'int8' is not known; allowed: float32, bfloat16, float16"),
     ("--iters 0", "value '0' is not valid; expected an integer >= 1"),
+    ("--min-batch-ms -5", "--min-batch-ms -5: must be between 0 (off) and 60000"),
     ("--ranks 0", "needs at least 2 ranks"),
     ("--ranks 0,5", "rank 5 does not exist"),
     ("--sizes 1B:1GB --factor 1.01", "use a larger --factor or a narrower range"),

@@ -30,9 +30,11 @@ def _axes(fig: go.Figure, sizes: list[int]) -> None:
 
 
 class SweepPlot:
-    def __init__(self, ops: list[str]):
-        fig = make_subplots(rows=1, cols=2, subplot_titles=("time per call, rank 0, live (us)",
-                                                            "bus bandwidth, rank 0, live (GB/s)"))
+    """The sweep while it runs: rank 0's median so far per size, redrawn after every pass
+    (nbtool.rank.commbench measures ``repeat`` passes over the sizes), the pass in the titles."""
+
+    def __init__(self, ops: list[str], repeat: int = 1):
+        fig = make_subplots(rows=1, cols=2, subplot_titles=self._titles("", repeat))
         for op in ops:
             c = op_color(op)
             fig.add_trace(go.Scatter(x=[], y=[], mode="lines+markers", name=op, legendgroup=op, line_color=c), 1, 1)
@@ -41,9 +43,25 @@ class SweepPlot:
         _axes(fig, [])
         self.fig = go.FigureWidget(fig)
         self.ops = list(ops)
+        self.repeat = repeat
+
+    @staticmethod
+    def _titles(now: str, repeat: int) -> tuple[str, str]:
+        live = f"rank 0, live, {now} of {repeat}" if now else "rank 0, live"
+        return f"time per call, {live} (us)", f"bus bandwidth, {live} (GB/s)"
+
+    def _now(self, rows: list[dict]) -> str:
+        """"pass k" of the op being measured (the ops run one after another, in order)."""
+        current = [op for op in self.ops if any(r["op"] == op for r in rows)][-1:]
+        if not current:
+            return ""
+        done = max(len(r.get("samples", ())) for r in rows if r["op"] == current[0])
+        return f"{current[0]} pass {done}" if len(self.ops) > 1 else f"pass {done}"
 
     def show_rows(self, rows: list[dict], n: int) -> None:
         with self.fig.batch_update():  # never inside hold_sync: the browser would get no update
+            for note, text in zip(self.fig.layout.annotations, self._titles(self._now(rows), self.repeat)):
+                note.text = text
             for i, op in enumerate(self.ops):
                 pts = sorted((r for r in rows if r["op"] == op), key=lambda r: r["size_bytes"])
                 xs = [r["size_bytes"] for r in pts]

@@ -10,7 +10,8 @@ from .state import Session
 
 
 def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[int], dtype: str, iters: int, warmup: int,
-              ranks: list[int] | None, inplace: bool, in_kernel: bool, label: str = "", repeat: int = 5):
+              ranks: list[int] | None, inplace: bool, in_kernel: bool, label: str = "", repeat: int = 5,
+              min_batch_s: float = 0.0):
     """Run a %commbench sweep on the cluster; returns a CommbenchResult (plots live in a notebook).
 
     Without ``ranks`` on a cluster of several hosts it measures all ranks, then each link apart
@@ -23,7 +24,8 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
     groups = link_groups([p.node_rank for p in cluster.places]) if ranks is None and cluster.places else {}
 
     def sweep(members, name, link=""):
-        return _sweep(cluster, ops, sizes, dtype, iters, warmup, members, inplace, in_kernel, name, repeat, link=link)
+        return _sweep(cluster, ops, sizes, dtype, iters, warmup, members, inplace, in_kernel, name, repeat, min_batch_s,
+                      link=link)
 
     if not groups:
         result = sweep(ranks or everyone, label)
@@ -39,7 +41,7 @@ def commbench(state: Session, cluster: RankCluster, ops: list[str], sizes: list[
 
 
 def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplace, in_kernel, label, repeat,
-           link: str = ""):
+           min_batch_s, link: str = ""):
     """One sweep over ``ranks`` (every rank takes part in making the sub-group), plotted live."""
     from ..commbench import DTYPES, CommbenchResult, element_count
     from ..rank import commbench as rank_bench
@@ -52,11 +54,11 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
         from ..widgets.commbench_view import SweepPlot
         from ..widgets.figures import replace_live, show_live
 
-        plot = SweepPlot(ops)
+        plot = SweepPlot(ops, repeat)
         plot_id = show_live(plot.fig)
     # every rank takes part: creating the sub-group (if any) is collective over the world
     ar = cluster.view(everyone).apply_async(rank_bench.run_sweep, ops, counts, dtype, iters, warmup,
-                                            tuple(ranks), inplace, plot is not None, repeat)
+                                            tuple(ranks), inplace, plot is not None, repeat, min_batch_s)
     seen: dict = {}
     try:
         while not ar.wait(0.1):
@@ -64,7 +66,7 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
                 continue
             for f in ar._children:
                 for key, row in protocol.entries(f, "commbench"):
-                    seen.setdefault(key, row)
+                    seen[key] = row  # each pass sends every size again, its median so far
             if seen:
                 plot.show_rows(list(seen.values()), n)
         per_rank = ar.get()
@@ -77,7 +79,7 @@ def _sweep(cluster: RankCluster, ops, sizes, dtype, iters, warmup, ranks, inplac
         raise
     result = CommbenchResult.from_rank_rows(per_rank, backend=cluster.layout.backend, ranks=list(ranks),
                                             dtype=dtype, iters=iters, warmup=warmup, inplace=inplace, label=label,
-                                            repeat=repeat, link=link)
+                                            repeat=repeat, min_batch_s=min_batch_s, link=link)
     if plot is not None:  # the live plot's output becomes the result's static figure, in place
         replace_live(plot_id, result.figure(), retire=plot)
     return result

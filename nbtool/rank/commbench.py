@@ -1,14 +1,23 @@
 """Engine side of ``%commbench``: timed collectives, measured like nccl-tests.
 
-For each op and size: ``warmup`` untimed calls, then ``repeat`` batches of
-``iters`` calls, each batch after a barrier and timed with the device
+Per op, ``repeat`` passes over the sizes, each timing one batch of ``iters``
+calls per size (the first pass after ``warmup`` untimed calls per size, later
+ones after one; with ``min_batch_s``, more calls for sizes whose batch would
+be shorter, the same on every rank). A batch starts after a barrier and is timed with the device
 synchronised only around it (CUDA events on GPUs, the wall clock on CPU),
-giving this rank's mean time per call in each repetition. Then one more call on freshly filled buffers (outputs cleared first) whose result is
+giving this rank's mean time per call in each repetition. Passes rather than
+a size's batches back to back: a machine whose speed drifts over seconds
+(a shared host's memory bandwidth) then moves every size alike instead of
+bending the curve, and each size's median samples the whole sweep's time;
+the first pass draws the whole curve early. Every size uses a prefix of one
+buffer of the op's largest size, as nccl-tests does. After the passes, one
+more call per size on freshly filled buffers (outputs cleared first) is
 checked element by element, so a broken collective is reported as wrong
 rather than timed.
 """
 from __future__ import annotations
 
+import math
 import time
 
 import torch
@@ -20,20 +29,18 @@ from .groups import subgroup
 
 
 
-def _buffers(op: str, count: int, n: int, me: int, dtype, device, inplace: bool):
-    """(input, output) for one call; ``count`` elements is the op's S / element size."""
-    def empty(k):
-        return torch.empty(k, dtype=dtype, device=device)
-
+def _buffers(op: str, count: int, n: int, me: int, inplace: bool, storage):
+    """(input, output) for one call; ``count`` elements is the op's S / element size;
+    ``storage(role, k)``: k elements of the role's buffer (prefixes of one allocation per role)."""
     if op in ("all_reduce", "broadcast"):
-        buf = empty(count)
+        buf = storage("buf", count)
         return buf, buf
     if op in ("all_gather", "reduce_scatter"):  # S = the gathered output / the unscattered input
-        full = empty(count)
-        part = full.narrow(0, me * (count // n), count // n) if inplace else empty(count // n)
+        full = storage("full", count)
+        part = full.narrow(0, me * (count // n), count // n) if inplace else storage("part", count // n)
         return (part, full) if op == "all_gather" else (full, part)
     if op == "all_to_all":
-        return empty(count), empty(count)
+        return storage("in", count), storage("out", count)
     raise ValueError(op)
 
 
@@ -90,12 +97,15 @@ def _timed_batch(op: str, inp, out, group, iters: int, cuda: bool) -> float:
 
 
 def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup: int,
-              ranks: tuple[int, ...], inplace: bool, publish: bool = True, repeat: int = 1) -> list[dict]:
+              ranks: tuple[int, ...], inplace: bool, publish: bool = True, repeat: int = 1,
+              min_batch_s: float = 0.0) -> list[dict]:
     """Time every (op, count); returns this rank's rows (empty on ranks outside ``ranks``).
 
     ``counts[op]`` lists element counts (each divisible by the group size
-    where the op needs it). Rank ``ranks[0]`` publishes each row as it is
-    measured so the kernel can plot the sweep live.
+    where the op needs it). Rank ``ranks[0]`` publishes each row after each
+    pass (its median so far) so the kernel can plot the sweep live. With
+    ``min_batch_s``, a size whose ``iters`` calls would take less gets more
+    (``_calls``), so a batch outlasts the scheduler's ticks and stalls.
     """
     group = subgroup(ranks)
     me_global = dist.get_rank()
@@ -108,27 +118,67 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
     cuda = device.type == "cuda"
     rows = []
     for op in ops:
-        for count in counts[op]:
-            inp, out = _buffers(op, count, n, me, dtype, device, inplace)
-            _fill(op, inp, n, me)
-            for _ in range(warmup):
-                _call(op, inp, out, group)
-            samples = [_timed_batch(op, inp, out, group, iters, cuda) for _ in range(repeat)]
+        top = max(counts[op], default=0)
+        pool: dict = {}
+
+        def storage(role, k):
+            if role not in pool:  # the role's largest size: "part" is a shard
+                pool[role] = torch.empty(top // n if role == "part" else top, dtype=dtype, device=device)
+            return pool[role][:k]
+
+        bufs = {count: _buffers(op, count, n, me, inplace, storage) for count in counts[op]}
+        samples: dict = {count: [] for count in counts[op]}
+        calls = dict.fromkeys(counts[op], iters)
+        for p in range(repeat):
+            for count, (inp, out) in bufs.items():
+                if p == 0:
+                    _fill(op, inp, n, me)
+                    for _ in range(warmup):
+                        _call(op, inp, out, group)
+                    if min_batch_s > 0:
+                        calls[count] = _calls(op, inp, out, group, iters, min_batch_s, cuda)
+                elif warmup:
+                    _call(op, inp, out, group)
+                samples[count].append(_timed_batch(op, inp, out, group, calls[count], cuda))
+                if publish and me == 0:  # each pass redraws the size with its median so far
+                    publish = _publish(_row(op, count, inp, dtype_name, me_global, samples[count], 0, cuda,
+                                            calls[count]))
+        for count, (inp, out) in bufs.items():
             # a fresh call on cleared buffers: a collective that writes nothing must show as wrong
             out.fill_(-7)
             _fill(op, inp, n, me)  # after the clear: in-place inputs are views of the output
             _call(op, inp, out, group)
-            row = {"op": op, "count": count, "size_bytes": count * inp.element_size(), "dtype": dtype_name,
-                   "rank": me_global, "seconds": sorted(samples)[len(samples) // 2], "samples": samples,
-                   "wrong": int((out != _expected(op, out, n, me)).sum().item()),
-                   "clock": "cuda_event" if cuda else "wall"}
-            rows.append(row)
-            if publish and me == 0:
-                try:
-                    from ipyparallel.datapub import publish_data
-
-                    publish_data({protocol.commbench_key(op, count): row})
-                except Exception:
-                    publish = False
-            del inp, out
+            wrong = int((out != _expected(op, out, n, me)).sum().item())
+            rows.append(_row(op, count, inp, dtype_name, me_global, samples[count], wrong, cuda, calls[count]))
+        bufs.clear()  # before the next op allocates its own
+        pool.clear()
     return rows
+
+
+def _calls(op: str, inp, out, group, iters: int, min_batch_s: float, cuda: bool) -> int:
+    """Calls per batch for this size: at least ``iters``, and enough that a batch lasts ``min_batch_s``
+    at the fastest of three probes of 3 calls (a stall in one probe would give too few calls); the ranks
+    take the largest count, so every rank makes the same calls."""
+    seconds = min(_timed_batch(op, inp, out, group, 3, cuda) for _ in range(3))
+    want = torch.tensor([max(iters, math.ceil(min_batch_s / max(seconds, 1e-9)))], dtype=torch.int64,
+                        device=inp.device)
+    dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
+    return int(want.item())
+
+
+def _row(op: str, count: int, inp, dtype_name: str, rank: int, samples: list, wrong: int, cuda: bool,
+         calls: int) -> dict:
+    return {"op": op, "count": count, "size_bytes": count * inp.element_size(), "dtype": dtype_name, "rank": rank,
+            "seconds": sorted(samples)[len(samples) // 2], "samples": list(samples), "iters": calls,
+            "wrong": wrong, "clock": "cuda_event" if cuda else "wall"}
+
+
+def _publish(row: dict) -> bool:
+    """Sends the row to the kernel's live plot; False where datapub is unavailable (stop trying)."""
+    try:
+        from ipyparallel.datapub import publish_data
+
+        publish_data({protocol.commbench_key(row["op"], row["count"]): row})
+        return True
+    except Exception:
+        return False
