@@ -3,7 +3,7 @@
 Per op, ``repeat`` passes over the sizes, each timing one batch of ``iters``
 calls per size (the first pass after ``warmup`` untimed calls per size, later
 ones after one; with ``min_batch_s``, more calls for sizes whose batch would
-be shorter, the same on every rank). A batch starts after a barrier and is timed with the device
+be shorter, agreed by every rank). A batch starts after a barrier and is timed with the device
 synchronised only around it (CUDA events on GPUs, the wall clock on CPU),
 giving this rank's mean time per call in each repetition. Passes rather than
 a size's batches back to back: a machine whose speed drifts over seconds
@@ -156,14 +156,20 @@ def run_sweep(ops: list[str], counts: dict, dtype_name: str, iters: int, warmup:
 
 
 def _calls(op: str, inp, out, group, iters: int, min_batch_s: float, cuda: bool) -> int:
-    """Calls per batch for this size: at least ``iters``, and enough that a batch lasts ``min_batch_s``
-    at the fastest of three probes of 3 calls (a stall in one probe would give too few calls); the ranks
-    take the largest count, so every rank makes the same calls."""
-    seconds = min(_timed_batch(op, inp, out, group, 3, cuda) for _ in range(3))
-    want = torch.tensor([max(iters, math.ceil(min_batch_s / max(seconds, 1e-9)))], dtype=torch.int64,
-                        device=inp.device)
-    dist.all_reduce(want, op=dist.ReduceOp.MAX, group=group)
-    return int(want.item())
+    """Calls per batch for this size: at least ``iters``, and enough that a batch lasts ``min_batch_s``.
+
+    Probes of 4x more calls each until one lasts a quarter of the floor (a few calls alone would time
+    the ranks' skew leaving the barrier, a vCPU's wake-up, not the calls); every decision is taken on
+    the slowest rank's probe, agreed by an all-reduce, so every rank makes the same calls."""
+    k = max(iters, 3)
+    while True:
+        took = torch.tensor([_timed_batch(op, inp, out, group, k, cuda) * k], dtype=torch.float64,
+                            device=inp.device)
+        dist.all_reduce(took, op=dist.ReduceOp.MAX, group=group)
+        seconds = float(took.item())
+        if seconds >= min_batch_s / 4 or k >= 2**20:
+            return max(iters, math.ceil(min_batch_s * k / max(seconds, 1e-9)))
+        k *= 4
 
 
 def _row(op: str, count: int, inp, dtype_name: str, rank: int, samples: list, wrong: int, cuda: bool,
