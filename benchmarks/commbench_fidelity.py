@@ -8,10 +8,10 @@ batch, the median over a size's batches). A batch is at least ``--iters``
 calls and lasts at least ``--min-batch-ms`` (%commbench's option: small
 sizes, whose calls on this machine are either ~0.5 ms or a ~4 ms scheduler
 tick, get more calls; the raw loop makes as many as %commbench chose). A
-round interleaves ``--repeat`` passes of each arm (rotating which goes
-first), on the same warm processes: nbtool's are one-pass %commbench sweeps,
-whose median is what ``--repeat R`` computes over its own passes. Besides the
-two, a third arm runs the raw loop again (an A/A control whose ratio to the
+round interleaves ``--repeat`` passes of each arm (in orders where each arm
+comes first, and follows each other arm, equally often), on the same warm
+processes: nbtool's are one-pass %commbench sweeps, whose median is what
+``--repeat R`` computes over its own passes. Besides the two, a third arm runs the raw loop again (an A/A control whose ratio to the
 raw arm is what noise alone gives), and a fourth copies the same bytes within
 each rank (no communication; 4 times the calls), whose spread over rounds
 says whether the drift is the machine's memory rather than the links.
@@ -74,6 +74,21 @@ def slowest_rank_medians(per_rank: list[dict[int, list[float]]]) -> dict[int, fl
     return {s: statistics.median(max(vals) for vals in zip(*(r[s] for r in per_rank))) for s in per_rank[0]}
 
 
+def williams_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` arms in which each arm comes first equally often and follows each other arm
+    equally often (a Williams design: n orders for even n, 2n for odd), so whatever one arm leaves
+    behind for the next (warm caches, woken or idle processes) reaches every arm alike."""
+    first, low, high = [0], 1, n - 1
+    while len(first) < n:  # 0, 1, n-1, 2, n-2, ...
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(x + i) % n for x in first] for i in range(n)]
+    return orders if n % 2 == 0 else orders + [o[::-1] for o in orders]
+
+
 def spread(values: list[float]) -> float:
     """(max - min) / median."""
     return (max(values) - min(values)) / statistics.median(values)
@@ -111,16 +126,18 @@ def main() -> None:
     # a copy of >= 8 MiB runs 5-7x faster than the all-reduce of the same bytes (30-60x below, in
     # cache): 4x the calls keep its batches no longer than the all-reduce's
     arms = (nbtool_pass, raw_pass, raw_pass, lambda into: raw_pass(into, "copy", 4))
-    # a round: --repeat passes of each arm, interleaved (rotating which goes first), so the passes
-    # whose median each arm reports lie seconds apart and the machine's drift reaches the arms alike.
+    # a round: --repeat passes of each arm, interleaved, so the passes whose median each arm reports
+    # lie seconds apart and the machine's drift reaches the arms alike. The orders are balanced for
+    # carry-over (williams_orders): with a plain rotation each arm always followed the same one, so
+    # whatever a pass leaves behind for the next reached one arm only.
     # nbtool's are %commbench sweeps of one pass each: the median over them is the statistic
     # %commbench --repeat R computes over its own passes. The third arm is the raw loop again (an A/A
     # control); the fourth copies the same bytes within each rank, no communication
+    orders = williams_orders(len(arms))
     for i in range(a.rounds):
         times = [{s: [] for s in SIZES} for _ in arms]
         for p in range(a.repeat):
-            k = (i * a.repeat + p) % len(arms)
-            for j in list(range(k, len(arms))) + list(range(k)):
+            for j in orders[(i * a.repeat + p) % len(orders)]:
                 arms[j](times[j])
         for into, t in zip((nb, raw, ctl, mem), times):
             for s in SIZES:  # busbw for 2 ranks (= algbw); the copy's bytes per second

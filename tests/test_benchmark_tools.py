@@ -1,15 +1,18 @@
 """benchmarks/consecutive.py reads what the ratio benchmarks print (through _paired.ratio_line) and judges it;
-benchmarks/_turns.py makes two jobs alternate step by step, never overlapping."""
+benchmarks/_turns.py makes two jobs alternate step by step, never overlapping; commbench_fidelity's arms
+take turns in balanced orders."""
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import consecutive  # noqa: E402
+from commbench_fidelity import williams_orders  # noqa: E402
 from _paired import ratio_line  # noqa: E402
 from _turns import Pipes  # noqa: E402
 
@@ -28,6 +31,16 @@ def test_judge_is_plus_minus_three_percent_of_the_middle_run():
     spread, ok = consecutive.judge([1.00, 1.031, 1.0])
     assert not ok and round(spread, 3) == 0.031
     assert not consecutive.judge([0.96, 1.0, 1.0])[1]
+
+
+def test_williams_orders_balance_who_goes_first_and_who_follows_whom():
+    for n in (2, 4, 5):
+        orders = williams_orders(n)
+        assert all(sorted(o) == list(range(n)) for o in orders)
+        firsts = Counter(o[0] for o in orders)
+        follows = Counter((o[j], o[j + 1]) for o in orders for j in range(n - 1))
+        assert len(firsts) == n and len(set(firsts.values())) == 1
+        assert len(follows) == n * (n - 1) and len(set(follows.values())) == 1
 
 
 def test_bad_arguments_are_named():
