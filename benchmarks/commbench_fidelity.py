@@ -11,10 +11,11 @@ tick, get more calls; the raw loop makes as many as %commbench chose). A
 round interleaves ``--repeat`` passes of each arm (in orders where each arm
 comes first, and follows each other arm, equally often), on the same warm
 processes: nbtool's are one-pass %commbench sweeps, whose median is what
-``--repeat R`` computes over its own passes. Besides the two, a third arm runs the raw loop again (an A/A control whose ratio to the
-raw arm is what noise alone gives), and a fourth copies the same bytes within
-each rank (no communication; 4 times the calls), whose spread over rounds
-says whether the drift is the machine's memory rather than the links.
+``--repeat R`` computes over its own passes. Besides the two, a third arm
+runs the raw loop again (an A/A control whose ratio to the raw arm is what
+noise alone gives), and a fourth copies the same bytes within each rank (no
+communication; 4 times the calls), whose spread over rounds says whether the
+drift is the machine's memory rather than the links.
 
 Prints per size the medians over rounds and the spread of the per-round
 ratios, then:
