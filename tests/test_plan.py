@@ -731,9 +731,23 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     """CPU ranks: calibrated on a ddp run, the planner predicts zero3's time outside communication
     through the per-tensor host cost (nbtool.plan.cpu_costs), not ddp's FLOP rate alone (which put it
     at ddp's, 60-80% short); calibrated on a run, that run's own compute is predicted exactly."""
-    from nbtool.plan.versus import calibrate, versus
+    from nbtool.plan.versus import calibrate, measured_compute_s, versus
 
-    runs = _tutorial_runs(ip, ("ddp", "zero3"))
+    # three ddp, zero3 pairs, taking turns: a stretch of a slow machine had once made one ddp run 2.7x this
+    # machine's typical and its zero3 run 1.3x (CI), which one pair cannot tell from a wrong model
+    pairs = [_tutorial_runs(ip, ("ddp", "zero3")) for _ in range(3)]
+    ratios = []  # (measured zero3 / ddp, predicted / measured zero3) per pair, ddp's run calibrating
+    for pair in pairs:
+        cal = calibrate(pair["ddp"])
+        mine, theirs = (versus(pair[k], cal, k).row("  compute") for k in ("ddp", "zero3"))
+        # ZeRO-3's per-parameter fetch and release, in the model: its compute over ddp's (one FLOP rate: 1x)
+        assert theirs.predicted > 1.5 * mine.predicted, (theirs, mine)
+        ratios.append((theirs.measured / mine.measured, theirs.predicted / theirs.measured))
+    # measured 2.1-3.0x ddp's at this shape; a single run here moves by up to 50% from the next: a factor-2
+    # band around the prediction, not plan_accuracy's 25%
+    assert statistics.median(r for r, _ in ratios) > 1.5, ratios
+    assert 0.5 < statistics.median(e for _, e in ratios) < 2.0, ratios
+    runs = sorted(pairs, key=lambda pair: measured_compute_s(pair["ddp"]))[1]  # the median ddp run's pair
     hw = calibrate(runs["ddp"])
     assert hw.host_speed is not None and 0.1 < hw.host_speed < 10, hw  # CPU ranks: the host model's speed
     # DDP's bucket all-reduces are all async, sharing the cores with backward: not the link's time, so the
@@ -745,10 +759,6 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     own = versus(runs["ddp"], hw, "itself").row("  compute")
     assert own.predicted == pytest.approx(own.measured, rel=1e-9)
     zero3 = versus(runs["zero3"], hw, "run 'ddp'").row("  compute")
-    # ZeRO-3's per-parameter fetch and release: measured 2.1-3.0x ddp's at this shape (one FLOP rate: 1x)
-    assert zero3.predicted > 1.5 * own.predicted and zero3.measured > 1.5 * own.measured, (zero3, own)
-    # a single run here moves by up to 50% from the next: a factor-2 band, not plan_accuracy's 25%
-    assert 0.5 < zero3.predicted / zero3.measured < 2.0, zero3
     # the planner counts ZeRO-3's fetches as DeepSpeed issues them (one all-gather per parameter tensor) and
     # puts each op's blocked time next to its prediction
     fetches = versus(runs["zero3"], hw, "run 'ddp'").row("    all_gather")
@@ -756,7 +766,6 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     # ZeRO-3's compute is its step less the time blocked on collectives, not less their in-flight union:
     # prefetches are in flight while forward computes (that time had been in neither term)
     from nbtool import run_analysis
-    from nbtool.plan.versus import measured_compute_s
 
     steps = run_analysis.steady_steps(runs["zero3"])
     assert sum(s["comm_s"] > s["exposed_s"] for s in steps) >= len(steps) - 1, steps  # in flight, not blocked
