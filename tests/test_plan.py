@@ -778,6 +778,39 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     assert own.measured == statistics.median(s["compute_s"] for s in ddp_steps) and "comm busy time" in own.source
     ddp = versus(runs["ddp"], hw, "itself").estimate
     assert [(c.link, c.count) for c in ddp.comms] == [(DDP_INFLIGHT, statistics.median(s["count"] for s in ddp_steps))]
+    # a step off beyond its tolerance names the term that holds the miss; a host 3x slower than the run's
+    # (a calibration caught in a slow spell) puts it in compute, and the note sets the two host speeds side by side
+    step = versus(runs["zero3"], hw, "run 'ddp'").row("step time")
+    assert (step.note == "") == (step.within is not False), step
+    slow = replace(hw, host_speed=3 * hw.host_speed)
+    v = versus(runs["zero3"], slow, "run 'ddp'")
+    step, compute = v.row("step time"), v.row("  compute")
+    assert step.within is False and step.note.startswith("off mostly in compute: +"), step
+    assert f" ({compute.error:+.1%}); the whole step +" in step.note and compute.predicted > 2 * compute.measured, step
+    (note,) = [n for n in v.notes if "implies a host" in n]
+    own = calibrate(runs["zero3"]).host_speed
+    assert f"implies a host x{own:.2f} the CPU reference's, where the calibration had x{3 * hw.host_speed:.2f}" in note
+    assert 0.2 < own / (3 * hw.host_speed) < 1 / 1.5 and "run both cells again" in note, note
+    assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
+
+
+def test_a_step_off_names_the_term_that_holds_the_miss():
+    """The step's miss goes to the term of the planner's step that holds at least half of it, with the
+    same sign; else each term's share is listed (and, where exposed comm is not observable, the rest)."""
+    from nbtool.plan.versus import Row, _step_note
+
+    def rows(step, compute, exposed):
+        return [Row("step time", *step, "s", "", 0.25), Row("  compute", *compute, "s", ""),
+                Row("  exposed comm", *exposed, "s", "")]
+
+    assert _step_note(rows((0.10, 0.11), (0.05, 0.06), (0.05, 0.05))) == ""  # +10%: within
+    assert _step_note(rows((0.10, 0.16), (0.05, 0.055), (0.05, 0.105))) == (
+        "off mostly in exposed comm: +55.0 ms (+110.0%); the whole step +60.0 ms")
+    assert _step_note(rows((0.10, 0.06), (0.05, 0.03), (0.05, 0.03))) == (
+        "the step's -40.0 ms is spread: compute -20.0 ms, exposed comm -20.0 ms")
+    ddp = rows((0.10, 0.05), (0.05, 0.04), (None, 0.01))  # DDP: exposed comm not observable
+    assert _step_note(ddp) == ("the step's -50.0 ms is spread: compute -10.0 ms (the rest: communication in "
+                               "flight, not observable by term here)")
 
 
 
