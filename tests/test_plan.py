@@ -893,22 +893,27 @@ def test_cpu_ranks_predict_bf16_from_an_fp32_run_and_back(ip, cluster):
     fp32 ones' time, so a calibration on an fp32 run predicted a bf16 run's compute 5x short, and one on
     the bf16 run predicted the fp32 run 5x long. The ranks measure the ratio (one Linear's forward and
     backward, nbtool.rank.matmul_probe), the calibration carries it, and each run is predicted from the
-    other within a factor 3 (a single CPU run moves up to 50% from the next; 5.6x off without the
+    other within a factor 3 at the median of three pairs (a single CPU run moves up to 50% from the next; 5.6x off without the
     probe). Where bf16 is emulated its FLOPs are most of a bf16 run's time, so that run calibrates bf16's
     rate in training and keeps the host speed it is given (a 10% miss of the probed rate had tripled the
     host's work: an fp32 run after it predicted +211%): given the fp32 run's, it predicts that run's compute
     exactly, and itself exactly too."""
     from nbtool.plan.versus import calibrate, versus
 
-    runs = _tutorial_runs(ip, ("fsdp", "fsdp --precision bf16"))
-    fp32, bf16 = runs["fsdp"], runs["fsdp --precision bf16"]
+    # three pairs, taking turns, each direction judged at its median pair: one run caught in a slow spell
+    # (CI once had one 2.7x this machine's typical time) would take a single pair out of the band
+    pairs = [_tutorial_runs(ip, ("fsdp", "fsdp --precision bf16")) for _ in range(3)]
+    fp32, bf16 = pairs[0]["fsdp"], pairs[0]["fsdp --precision bf16"]
     probe = fp32.description.matmul_flops
     assert probe and min(probe) > 0 and bf16.description.matmul_flops == probe  # once per engine
-    for base, other in ((fp32, bf16), (bf16, fp32)):
-        hw = calibrate(base)
-        assert hw.matmul_flops[0] == probe[0] and " GFLOP/s, x" in hw.name, hw.name
-        compute = versus(other, hw, f"run {base.name!r}").row("  compute")
-        assert 1 / 3 < compute.predicted / compute.measured < 3, (base.name, compute, probe)
+    for base, other in (("fsdp", "fsdp --precision bf16"), ("fsdp --precision bf16", "fsdp")):
+        ratios = []
+        for pair in pairs:
+            hw = calibrate(pair[base])
+            assert hw.matmul_flops[0] == probe[0] and " GFLOP/s, x" in hw.name, hw.name
+            compute = versus(pair[other], hw, f"run {base!r}").row("  compute")
+            ratios.append(compute.predicted / compute.measured)
+        assert 1 / 3 < statistics.median(ratios) < 3, (base, ratios, probe)
     emulated = probe[1] < probe[0] / 2
     speed = calibrate(fp32).host_speed
     hw = calibrate(bf16, host_speed=speed)
