@@ -893,8 +893,8 @@ def test_cpu_ranks_predict_bf16_from_an_fp32_run_and_back(ip, cluster):
     fp32 ones' time, so a calibration on an fp32 run predicted a bf16 run's compute 5x short, and one on
     the bf16 run predicted the fp32 run 5x long. The ranks measure the ratio (one Linear's forward and
     backward, nbtool.rank.matmul_probe), the calibration carries it, and each run is predicted from the
-    other within a factor 3 at the median of three pairs (a single CPU run moves up to 50% from the next; 5.6x off without the
-    probe). Where bf16 is emulated its FLOPs are most of a bf16 run's time, so that run calibrates bf16's
+    other within a factor 3 at the median of three pairs (a single CPU run moves up to 50% from the next;
+    5.6x off without the probe). Where bf16 is emulated its FLOPs are most of a bf16 run's time, so that run calibrates bf16's
     rate in training and keeps the host speed it is given (a 10% miss of the probed rate had tripled the
     host's work: an fp32 run after it predicted +211%): given the fp32 run's, it predicts that run's compute
     exactly, and itself exactly too."""
