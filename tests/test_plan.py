@@ -803,14 +803,14 @@ def test_a_step_off_names_the_term_that_holds_the_miss():
         return [Row("step time", *step, "s", "", 0.25), Row("  compute", *compute, "s", ""),
                 Row("  exposed comm", *exposed, "s", "")]
 
-    assert _step_note(rows((0.10, 0.11), (0.05, 0.06), (0.05, 0.05))) == ""  # +10%: within
+    assert _step_note(rows((0.10, 0.11), (0.05, 0.06), (0.05, 0.05))) == ("", None)  # +10%: within
     assert _step_note(rows((0.10, 0.16), (0.05, 0.055), (0.05, 0.105))) == (
-        "off mostly in exposed comm: +55.0 ms (+110.0%); the whole step +60.0 ms")
+        "off mostly in exposed comm: +55.0 ms (+110.0%); the whole step +60.0 ms", "exposed comm")
     assert _step_note(rows((0.10, 0.06), (0.05, 0.03), (0.05, 0.03))) == (
-        "the step's -40.0 ms is spread: compute -20.0 ms, exposed comm -20.0 ms")
+        "the step's -40.0 ms is spread: compute -20.0 ms, exposed comm -20.0 ms", None)
     ddp = rows((0.10, 0.05), (0.05, 0.04), (None, 0.01))  # DDP: exposed comm not observable
     assert _step_note(ddp) == ("the step's -50.0 ms is spread: compute -10.0 ms (the rest: communication in "
-                               "flight, not observable by term here)")
+                               "flight, not observable by term here)", None)
 
 
 

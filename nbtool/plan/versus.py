@@ -533,37 +533,39 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
         rows.append(Row("achieved FLOP/s per rank", flops / step_s, flops / e.step_s, "FLOP/s",
                         "estimate: 6 Psi per token / median step time"))
     i = next(i for i, r in enumerate(rows) if r.figure == "step time")
-    rows[i] = replace(rows[i], note=rows[i].note or _step_note(rows))
-    if rows[i].note.startswith("off mostly in compute") and ran_on_cpu(run) and (hs := hw.host_speed):
+    note, term = _step_note(rows)
+    rows[i] = replace(rows[i], note=rows[i].note or note)
+    if term == "compute" and ran_on_cpu(run) and (hs := hw.host_speed):
         notes += _host_speed_note(run, hs)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
 
 
-def _step_note(rows: list) -> str:
-    """Where the step time is off beyond its tolerance: the term of the planner's step (compute,
-    exposed comm, bubble) that holds most of the miss, else each term's share."""
+def _step_note(rows: list) -> tuple[str, str | None]:
+    """Where the step time is off beyond its tolerance: (a note naming the term of the planner's step
+    (compute, exposed comm, bubble) that holds more than half of the miss, else each term's share;
+    that term or None)."""
     by = {r.figure.strip(): r for r in rows}
     step = by["step time"]
     if step.within is not False:
-        return ""
+        return "", None
     miss = step.predicted - step.measured
     terms = {name: by[name].predicted - by[name].measured for name in ("compute", "exposed comm", "bubble")
              if name in by and by[name].error is not None}
     ms = lambda x: f"{x * 1e3:+.1f} ms"
     top = max(terms, key=lambda name: abs(terms[name]), default=None)
     if top is not None and terms[top] * miss > 0 and abs(terms[top]) > abs(miss) / 2:
-        return f"off mostly in {top}: {ms(terms[top])} ({_percent(by[top].error)}); the whole step {ms(miss)}"
+        return f"off mostly in {top}: {ms(terms[top])} ({_percent(by[top].error)}); the whole step {ms(miss)}", top
     return (f"the step's {ms(miss)} is spread: " + ", ".join(f"{name} {ms(d)}" for name, d in terms.items())
             + (" (the rest: communication in flight, not observable by term here)" if "exposed comm" not in terms
-               else ""))
+               else "")), None
 
 
 def _host_speed_note(run, speed: float) -> list:
     """CPU ranks, compute off: the host speed this run implies next to the calibration's (``speed``).
     A factor 1.5 between them is beyond what the model's ratios between strategies missed by on the
-    runs it was checked on (nbtool.plan.cpu_costs: 178 of 189 within 25%), so it points at a machine
+    runs it was checked on (cpu_costs.RATIOS_CHECKED), so it points at a machine
     whose speed changed between the two runs (CI once ran a ddp cell at 2.7x this machine's typical
     time and the zero3 cell after it at 1.3x), which only running them again tells apart."""
     own = calibrate(run, host_speed=speed).host_speed  # a bf16 run dominated by its FLOPs keeps ``speed``
@@ -571,7 +573,7 @@ def _host_speed_note(run, speed: float) -> list:
         return []
     return [f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
-            "missed by (178 of 189 runs within 25%, nbtool.plan.cpu_costs), so the machine may have run at another "
+            f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs), so the machine may have run at another "
             "speed in one of the two runs; run both cells again: a machine's slow spell moves one of them, a model "
             "that is off stays off"]
 
