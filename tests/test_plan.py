@@ -790,12 +790,12 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     (note,) = [n for n in v.notes if "implies a host" in n]
     own = calibrate(runs["zero3"]).host_speed
     assert f"implies a host x{own:.2f} the CPU reference's, where the calibration had x{3 * hw.host_speed:.2f}" in note
-    assert 0.2 < own / (3 * hw.host_speed) < 1 / 1.5 and "run both cells again" in note, note
+    assert own / (3 * hw.host_speed) < 1 / 1.5 and "run both cells again" in note, note
     assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
 
 
 def test_a_step_off_names_the_term_that_holds_the_miss():
-    """The step's miss goes to the term of the planner's step that holds at least half of it, with the
+    """The step's miss goes to the term of the planner's step that holds more than half of it, with the
     same sign; else each term's share is listed (and, where exposed comm is not observable, the rest)."""
     from nbtool.plan.versus import Row, _step_note
 
@@ -894,10 +894,10 @@ def test_cpu_ranks_predict_bf16_from_an_fp32_run_and_back(ip, cluster):
     the bf16 run predicted the fp32 run 5x long. The ranks measure the ratio (one Linear's forward and
     backward, nbtool.rank.matmul_probe), the calibration carries it, and each run is predicted from the
     other within a factor 3 at the median of three pairs (a single CPU run moves up to 50% from the next;
-    5.6x off without the probe). Where bf16 is emulated its FLOPs are most of a bf16 run's time, so that run calibrates bf16's
-    rate in training and keeps the host speed it is given (a 10% miss of the probed rate had tripled the
-    host's work: an fp32 run after it predicted +211%): given the fp32 run's, it predicts that run's compute
-    exactly, and itself exactly too."""
+    5.6x off without the probe). Where bf16 is emulated its FLOPs are most of a bf16 run's time, so that
+    run calibrates bf16's rate in training and keeps the host speed it is given (a 10% miss of the probed
+    rate had tripled the host's work: an fp32 run after it predicted +211%): given the fp32 run's, it
+    predicts that run's compute exactly, and itself exactly too."""
     from nbtool.plan.versus import calibrate, versus
 
     # three pairs, taking turns, each direction judged at its median pair: one run caught in a slow spell
