@@ -794,6 +794,36 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
 
 
+def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, cluster):
+    """A real slow spell: six busy processes share the 2 cores while a ddp cell runs, none while the
+    zero3 cell after it runs. Predicted from the ddp run's calibration, zero3's step comes out long, the
+    step's note puts the miss in compute, and a note sets the host speed zero3's run implies beside the
+    calibration's, more than 1.5x apart."""
+    import subprocess
+    import sys
+
+    from nbtool.plan.versus import calibrate, versus
+
+    # each in a session of its own: the kernel shares the CPU between sessions (autogroup), so busy
+    # processes in the test's session left the engines' share whole (and, keeping the vCPUs awake, made
+    # the ddp run 10-30% faster); four sessions of their own made it 2.8x slower
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(6)]
+    try:
+        slow = _tutorial_runs(ip, ("ddp",))["ddp"]
+    finally:
+        for h in hogs:
+            h.kill()
+            h.wait(timeout=10)
+    zero3 = _tutorial_runs(ip, ("zero3",))["zero3"]
+    hw = calibrate(slow)
+    v = versus(zero3, hw, "run 'ddp'")
+    step = v.row("step time")
+    assert step.within is False and step.note.startswith("off mostly in compute: +"), v.text()
+    (note,) = [n for n in v.notes if "implies a host" in n]
+    own = calibrate(zero3).host_speed
+    assert own / hw.host_speed < 1 / 1.5 and f"where the calibration had x{hw.host_speed:.2f}" in note, note
+
+
 def test_a_step_off_names_the_term_that_holds_the_miss():
     """The step's miss goes to the term of the planner's step that holds more than half of it, with the
     same sign; else each term's share is listed (and, where exposed comm is not observable, the rest)."""
