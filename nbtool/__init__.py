@@ -48,16 +48,17 @@ def current_cluster():
     return magics.rank_cluster if magics is not None else None
 
 
-def predicted_vs_measured(name: str | None = None):
+def predicted_vs_measured(name: str | None = None, calibrate_on: str | None = None):
     """The planner's prediction of the last run (or of the run called ``name``) next to what it
-    measured: a nbtool.plan.versus.Versus (``.rows``, ``.text()``), as ``%dist_plan --vs-last`` prints."""
+    measured: a nbtool.plan.versus.Versus (``.rows``, ``.text()``), as ``%dist_plan --vs NAME`` prints;
+    ``calibrate_on``: the name of the recorded run to calibrate on (``--calibrate-on``)."""
     magics = _magics()
     run = last_run(name)
     if magics is None or run is None:
         return None
-    from .actions.plan import versus_for
+    from .actions.plan import calibration_on, versus_for
 
-    return versus_for(magics.session, run)
+    return versus_for(magics.session, run, calibration_on(magics.session, calibrate_on) if calibrate_on else None)
 
 
 def last_run(name: str | None = None):

@@ -428,8 +428,11 @@ class NbtoolMagics(Magics):
     @argument("--checkpointing", choices=["none", "selective", "full"], default="none")
     @argument("--text", action="store_true", help="print the ranked recommendation instead of the widget")
     @argument("--vs-last", action="store_true", help="the last run's figures next to the planner's prediction")
+    @argument("--vs", default=None, metavar="NAME", help="the recorded run NAME's figures next to the planner's")
+    @argument("--calibrate-on", default=None, metavar="NAME",
+              help="calibrate the planner on the recorded run NAME instead of the latest one")
     @argument("--deterministic", action="store_true",
-              help="with --vs-last: only the figures that do not vary between runs (bytes)")
+              help="with --vs/--vs-last: only the figures that do not vary between runs (bytes)")
     @line_magic
     def dist_plan(self, line=""):
         """Recommend a strategy from the model size and the hardware, with the numbers behind it.
@@ -441,14 +444,23 @@ class NbtoolMagics(Magics):
         ``--vs-last`` puts the last recorded run's figures (model states,
         bytes per step, peak tensor memory, step time and its split,
         throughput) next to the planner's prediction of that run, calibrated on
-        the run before it. Presets: ``nbtool.plan.inputs.MODEL_PRESETS`` and
-        ``HARDWARE_PRESETS``; measured ``%commbench`` bandwidth is used when present.
+        the run before it; ``--vs NAME`` does so for the run called NAME.
+        ``--calibrate-on NAME`` calibrates the planner on the recorded run NAME
+        instead of the latest (for the ranking, and with ``--vs``: e.g. on a
+        ddp cell run again after a slow spell). Presets:
+        ``nbtool.plan.inputs.MODEL_PRESETS`` and ``HARDWARE_PRESETS``;
+        measured ``%commbench`` bandwidth is used when present.
         """
         from . import actions
 
         args = parse_argstring(self.dist_plan, line)
-        if args.vs_last:
-            return actions.plan.plan_vs_last(self.session, args.deterministic)
+        names = {n: v.strip("\"'") for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on)) if v}
+        if args.vs_last and "--vs" in names:
+            raise UsageError(f"--vs {names['--vs']!r} and --vs-last: give one (--vs-last is the last run)")
+        if args.vs_last or "--vs" in names:
+            return actions.plan.plan_vs(self.session, names.get("--vs"), names.get("--calibrate-on"),
+                                        args.deterministic)
+        args.calibrate_on = names.get("--calibrate-on")
         req = actions.plan.request(args, self.shell.user_ns)  # resolved and checked before the cluster is asked
         return actions.plan.plan(self.session, req, self.rank_cluster, self.in_kernel, self.shell)
 

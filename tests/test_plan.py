@@ -187,6 +187,12 @@ def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
     ("--model nosuch.json", "--model 'nosuch.json': no such file"),
     ("--model _a_list", "--model _a_list: a list, not a torch module, a Hugging Face config"),
     ("--precision fp8", "invalid choice: 'fp8'"),
+    ("--vs nosuch", "--vs 'nosuch': no "),  # "recorded runs yet" or "run named", by test order
+    ("--vs-last --vs ddp", "--vs 'ddp' and --vs-last: give one"),
+    ('--vs "fsdp --wrap Nosuch"', "--vs 'fsdp --wrap Nosuch': no "),  # a quoted name with spaces
+    ("--calibrate-on nosuch", "--calibrate-on 'nosuch': "),
+    ("--hardware a100-40gb --calibrate-on ddp", "--calibrate-on 'ddp': a run calibrates this cluster's figures; "
+                                                "drop --hardware"),
 ])
 def test_dist_plan_refusals(ip, line, fragment):
     from IPython.core.error import UsageError
@@ -794,14 +800,16 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
 
 
-def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, cluster):
+def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, cluster, capsys):
     """A real slow spell: six busy processes share the 2 cores while a ddp cell runs, none while the
     zero3 cell after it runs. Predicted from the ddp run's calibration, zero3's step comes out long, the
     step's note puts the miss in compute, and a note sets the host speed zero3's run implies beside the
-    calibration's, more than 1.5x apart."""
+    calibration's, more than 1.5x apart. The ddp cell run again, ``%dist_plan --vs zero3 --calibrate-on
+    ddp`` predicts the same zero3 run from it: shorter, and closer to what was measured."""
     import subprocess
     import sys
 
+    import nbtool
     from nbtool.plan.versus import calibrate, versus
 
     # each in a session of its own: the kernel shares the CPU between sessions (autogroup), so busy
@@ -822,6 +830,22 @@ def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, clus
     (note,) = [n for n in v.notes if "implies a host" in n]
     own = calibrate(zero3).host_speed
     assert own / hw.host_speed < 1 / 1.5 and f"where the calibration had x{hw.host_speed:.2f}" in note, note
+    # under the cell, with the calibration run's name, the note gives the line below
+    (shown,) = [n for n in nbtool.predicted_vs_measured("zero3").notes if "implies a host" in n]
+    assert shown.endswith("(or run the 'ddp' cell again, then %dist_plan --vs zero3 --calibrate-on ddp)"), shown
+    # what the note says to do: run the ddp cell again, and predict zero3 from it
+    _tutorial_runs(ip, ("ddp",))
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--vs zero3 --calibrate-on ddp")
+    out = capsys.readouterr().out
+    assert out.startswith("predicted vs measured, run 'zero3'") and "calibrated on run 'ddp'" in out, out
+    again = nbtool.predicted_vs_measured("zero3", calibrate_on="ddp")
+    assert again.run is zero3 and again.row("step time").measured == step.measured
+    assert again.row("step time").predicted < step.predicted, (again.text(), v.text())
+    assert abs(again.row("step time").error) < abs(step.error), (again.text(), v.text())
+    # the ranking, calibrated on a run named: the text says which
+    ip.run_line_magic("dist_plan", "--text --model 1e8 --calibrate-on zero3")
+    assert "from run 'zero3'" in capsys.readouterr().out
 
 
 def test_a_step_off_names_the_term_that_holds_the_miss():

@@ -1,4 +1,4 @@
-"""%dist_plan: the picker, the ranked recommendation as text, and predicted against measured (--vs-last)."""
+"""%dist_plan: the picker, the ranked recommendation as text, and predicted against measured (--vs)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -18,6 +18,7 @@ class PlanRequest:
     devices: int | None = None
     training: object = None  # a Training
     text: bool = False  # the ranking as text instead of the picker
+    calibrate_on: str | None = None  # a recorded run's name: its calibration instead of the latest run's
 
 
 def request(args, user_ns: dict | None = None) -> PlanRequest:
@@ -33,7 +34,7 @@ def request(args, user_ns: dict | None = None) -> PlanRequest:
             model_name = _preset(args.model, MODEL_PRESETS, "--model", hint=MODEL_FORMS)
     training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
                         checkpointing=args.checkpointing)
-    return PlanRequest(model_name, shape, hw, args.devices, training, args.text)
+    return PlanRequest(model_name, shape, hw, args.devices, training, args.text, args.calibrate_on)
 
 
 MODEL_FORMS = ("or a parameter count (7e9, 1.3b, 722k), a variable holding a model or a Hugging Face config, "
@@ -105,18 +106,29 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     from ..plan.recommend import emulated_bf16_note, recommend, runnable_choices
 
     hw = req.hardware
-    if hw is None and cluster is not None and cluster.running:
+    running = cluster is not None and cluster.running
+    if req.calibrate_on and (hw is not None or not running):
+        raise UsageError(f"--calibrate-on {req.calibrate_on!r}: a run calibrates this cluster's figures; "
+                         + ("drop --hardware" if hw is not None else "no cluster is running (%cluster start)"))
+    calibration = calibration_on(state, req.calibrate_on) if req.calibrate_on else state.calibration
+    if hw is None and running:
         from ..plan.detect import hardware_from_facts
         from ..rank.bootstrap import hardware_facts
 
         facts = cluster.view([0]).apply_sync(hardware_facts)[0]
         hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend, cluster.places)
         measured = []
-        if state.calibration is not None and state.calibration[0].measured \
-                and state.calibration[0].devices_per_node == hw.devices_per_node:
+        if req.calibrate_on and not (calibration[0].measured
+                                     and calibration[0].devices_per_node == hw.devices_per_node):
+            raise UsageError(f"--calibrate-on {req.calibrate_on!r}: " + (
+                "that run measured no link and no compute rate" if not calibration[0].measured else
+                f"that run had {calibration[0].devices_per_node} ranks per host, this cluster "
+                f"{hw.devices_per_node}"))
+        if calibration is not None and calibration[0].measured \
+                and calibration[0].devices_per_node == hw.devices_per_node:
             from dataclasses import replace
 
-            cal, name, _ = state.calibration
+            cal, name, _ = calibration
             hw = replace(hw, intra_latency=cal.intra_latency, intra_bw=cal.intra_bw, peak_flops=cal.peak_flops,
                          host_speed=cal.host_speed if hw.host_speed is not None else None,
                          matmul_flops=cal.matmul_flops or hw.matmul_flops,
@@ -179,28 +191,64 @@ def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     return hits[0]
 
 
-def plan_vs_last(state: Session, deterministic: bool = False) -> None:
-    """``%dist_plan --vs-last``: the last run's figures next to the planner's (nbtool.plan.versus)."""
-    if state.last is None:
+def plan_vs(state: Session, name: str | None = None, on: str | None = None, deterministic: bool = False) -> None:
+    """``%dist_plan --vs NAME`` (``--vs-last``: the last run, failed ones too): that run's figures next to the
+    planner's (nbtool.plan.versus), calibrated as it was under its cell, or on run ``on``
+    (``--calibrate-on``)."""
+    if name is not None:
+        run = _named_run(state, name, "--vs")
+    elif state.last is None:
         raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
+    else:
+        run = state.last
     try:
-        result = versus_for(state, state.last)
+        result = versus_for(state, run, calibration_on(state, on) if on is not None else None)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(result.text(deterministic=deterministic))
 
 
-def versus_for(state: Session, run):
+def calibration_on(state: Session, name: str) -> tuple:
+    """(Hardware, name, run): the planner calibrated on the recorded run ``name``, as ``after_run`` would
+    (a bf16 run on CPU ranks keeps the latest calibration's host speed, which it cannot tell)."""
+    from ..plan.versus import calibrate
+
+    run = _named_run(state, name, "--calibrate-on")
+    if state.calibration is not None and state.calibration[2] is run:
+        return state.calibration
+    if not run.description.param_numels:
+        raise UsageError(f"--calibrate-on {name!r}: that cell never called strategy.prepare, so there is no "
+                         "model to calibrate on")
+    before = state.calibration[0].host_speed if state.calibration is not None else None
+    return calibrate(run, host_speed=before), run.name, run
+
+
+def _named_run(state: Session, name: str, option: str):
+    from .metrics import stored_runs
+
+    try:
+        return stored_runs(state, [name])[0]
+    except UsageError as e:
+        raise UsageError(f"{option} {name!r}: {e}") from None
+
+
+def versus_for(state: Session, run, calibration: tuple | None = None):
     """The planner's prediction of ``run`` with the best hardware figures this kernel has: the
-    calibration of the run before it (else of this run itself), with %commbench's link fit."""
+    calibration of the run before it (else of this run itself), or ``calibration`` ((Hardware, name,
+    run) from ``calibration_on``), with %commbench's link fit."""
     from ..plan.versus import calibrate, versus, with_timeline
 
-    if state.versus.get(run.name) is not None and state.versus[run.name].run is run:
-        return state.versus[run.name]  # as predicted when it ran, before the planner was calibrated on it
-    if state.calibration is not None and state.calibration[2] is not run:  # the run before, even of the same name
-        hw, source = state.calibration[0], f"calibrated on run {state.calibration[1]!r}" + (
-            " (the one before this)" if state.calibration[1] == run.name else "")
-        timed = [with_timeline(r) for r in (state.calibration[2], run)]
+    if calibration is None:
+        cached = state.versus.get(run.name)
+        if cached is not None and cached.run is run:
+            return cached  # as predicted when it ran, before the planner was calibrated on it
+        calibration = state.calibration
+    on = None  # the calibration run's name
+    if calibration is not None and calibration[2] is not run:  # the run before, even of the same name
+        on = calibration[1]
+        hw, source = calibration[0], f"calibrated on run {on!r}" + (
+            " (the one before this)" if calibration[1] == run.name else "")
+        timed = [with_timeline(r) for r in (calibration[2], run)]
         if timed[0] != timed[1]:  # the timeline's bookkeeping in one's times and not the other's
             source += (", a --memory-timeline run: its bookkeeping is in the compute rate" if timed[0] else
                        ", a run without --memory-timeline: this one's times hold the timeline's bookkeeping")
@@ -208,7 +256,7 @@ def versus_for(state: Session, run):
         hw, source = calibrate(run), "calibrated on this run (its times fit by construction)"
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
         hw, source = hw.with_commbench(state.commbench), source + "; link from %commbench"
-    return versus(run, hw, source)
+    return versus(run, hw, source, on)
 
 
 def after_run(state: Session, run, show: bool) -> None:

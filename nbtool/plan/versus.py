@@ -117,7 +117,8 @@ def error_table(results: list, deterministic: bool = False) -> str:
     cols = ("planner's error (predicted - measured) / measured",) + figures
     lines = _columns(cols, cells)
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
-    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); %dist_plan --vs-last for the figures"])
+    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); "
+                              "%dist_plan --vs NAME for a run's figures"])
 
 
 def spec_of(run) -> StrategySpec:
@@ -438,8 +439,9 @@ def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> 
     return estimate(layout, shape, training, hw, tp=tp, pp=pp, **{**options, **changes})
 
 
-def versus(run, hw: Hardware, hardware_source: str) -> Versus:
-    """Each figure of ``run`` next to the planner's prediction with ``hw`` (see the module docstring)."""
+def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = None) -> Versus:
+    """Each figure of ``run`` next to the planner's prediction with ``hw`` (see the module docstring);
+    ``calibrated_on``: the name of the run ``hw`` was calibrated on, which a note may name."""
     from ..metrics import format_bytes
 
     layout, shape, training, tp, pp = planner_inputs(run)
@@ -536,7 +538,7 @@ def versus(run, hw: Hardware, hardware_source: str) -> Versus:
     note, term = _step_note(rows)
     rows[i] = replace(rows[i], note=rows[i].note or note)
     if term == "compute" and ran_on_cpu(run) and (hs := hw.host_speed):
-        notes += _host_speed_note(run, hs)
+        notes += _host_speed_note(run, hs, calibrated_on)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
@@ -562,20 +564,24 @@ def _step_note(rows: list) -> tuple[str, str | None]:
                else "")), None
 
 
-def _host_speed_note(run, speed: float) -> list:
+def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> list:
     """CPU ranks, compute off: the host speed this run implies next to the calibration's (``speed``).
     A factor 1.5 between them is beyond what the model's ratios between strategies missed by on the
     runs it was checked on (cpu_costs.RATIOS_CHECKED), so it points at a machine
     whose speed changed between the two runs (CI once ran a ddp cell at 2.7x this machine's typical
-    time and the zero3 cell after it at 1.3x), which only running them again tells apart."""
+    time and the zero3 cell after it at 1.3x), which only running them again tells apart. With the
+    calibration run's name (``calibrated_on``) it gives the line that predicts this run from a rerun."""
     own = calibrate(run, host_speed=speed).host_speed  # a bf16 run dominated by its FLOPs keeps ``speed``
     if not own or own == speed or 1 / 1.5 < own / speed < 1.5:
         return []
+    quoted = lambda name: f'"{name}"' if " " in name else name
+    again = (f" (or run the {calibrated_on!r} cell again, then %dist_plan --vs {quoted(run.name)} --calibrate-on "
+             f"{quoted(calibrated_on)})" if calibrated_on and calibrated_on != run.name else "")
     return [f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
             f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs), so the machine may have run at another "
             "speed in one of the two runs; run both cells again: a machine's slow spell moves one of them, a model "
-            "that is off stays off"]
+            f"that is off stays off{again}"]
 
 
 def _op_rows(run, e: Estimate, hw: Hardware) -> list:
