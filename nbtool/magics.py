@@ -299,6 +299,8 @@ class NbtoolMagics(Magics):
     @argument("names", nargs="*", help="names of recorded runs (default: every run recorded in this kernel)")
     @argument("--deterministic", action="store_true",
               help="print only the columns that do not vary between runs (bytes)")
+    @argument("--calibrate-on", default=None, metavar="NAME",
+              help="the planner's errors with every run predicted from the recorded run NAME")
     @line_magic
     def dist_compare(self, line=""):
         """Compare recorded runs side by side: ``%dist_compare ddp fsdp zero3``.
@@ -306,15 +308,18 @@ class NbtoolMagics(Magics):
         Runs are named by the strategy word, by the segment of a
         ``%%distributed compare`` line, or by ``--name``. Shows a table
         (model-state bytes per rank, comm bytes and collectives per step, step
-        and comm time, final loss; ratios to the first run) and plots.
+        and comm time, final loss; ratios to the first run) and plots, then the
+        planner's error on each run, predicted from the run before it (with
+        ``--calibrate-on NAME``: every run from the recorded run NAME).
         Quote names with spaces: ``%dist_compare ddp "fsdp --wrap Block"``.
         """
         from . import actions
 
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
+        on = args.calibrate_on.strip("\"'") if args.calibrate_on else None
         actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
-                                        args.deterministic, self.session)
+                                        args.deterministic, self.session, on)
 
     @magic_arguments()
     @argument("action", choices=["export"], help="what to do")

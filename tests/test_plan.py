@@ -843,6 +843,19 @@ def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, clus
     assert again.run is zero3 and again.row("step time").measured == step.measured
     assert again.row("step time").predicted < step.predicted, (again.text(), v.text())
     assert abs(again.row("step time").error) < abs(step.error), (again.text(), v.text())
+    # every run predicted from the one named, in %dist_compare's error lines, with the run's name
+    ip.run_line_magic("dist_compare", "ddp zero3 --calibrate-on ddp")
+    errors = capsys.readouterr().out.split("planner's error")[1].splitlines()
+    assert errors[0].split()[-2:] == ["calibrated", "on"], errors
+    line = next(x for x in errors if x.startswith("zero3 "))
+    assert line.endswith("'ddp'") and f"{again.row('step time').error:+.1%}" in line, errors
+    ddp_line = next(x for x in errors if x.startswith("ddp "))
+    assert ddp_line.endswith("itself"), errors  # calibrated on itself: its times fit by construction
+    from IPython.core.error import UsageError
+
+    with pytest.raises(UsageError, match="--calibrate-on 'nosuch': no run named 'nosuch'; recorded runs: "):
+        ip.run_line_magic("dist_compare", "--calibrate-on nosuch")
+    assert capsys.readouterr().out == ""  # refused before anything was shown
     # the ranking, calibrated on a run named: the text says which
     ip.run_line_magic("dist_plan", "--text --model 1e8 --calibrate-on zero3")
     assert "from run 'zero3'" in capsys.readouterr().out

@@ -6,16 +6,23 @@ from IPython.core.error import UsageError
 from .state import Session
 
 
-def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, state: Session | None = None) -> None:
+def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, state: Session | None = None,
+                    calibrate_on: str | None = None) -> None:
     """Display the comparison: HTML table + plots in a notebook, text elsewhere; with ``state``, the
-    planner's error on each run below it.
+    planner's error on each run below it (each predicted from the run before it, or from the
+    recorded run ``calibrate_on``).
 
     ``deterministic`` prints only the columns that do not vary between runs.
     """
     from ..widgets import Comparison, show_figure
 
+    calibration = None
+    if calibrate_on is not None:
+        from .plan import calibration_on
+
+        calibration = calibration_on(state, calibrate_on)  # checked before anything is shown
     comparison = Comparison(runs)
-    errors = _planner_errors(state, runs, deterministic) if state is not None else ""
+    errors = _planner_errors(state, runs, deterministic, calibration) if state is not None else ""
     if deterministic or not in_kernel:
         print(comparison.text(deterministic=deterministic) + errors)
         return
@@ -31,11 +38,11 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
         show_figure(timeline_figure(runs))
 
 
-def _planner_errors(state: Session, runs: list, deterministic: bool) -> str:
+def _planner_errors(state: Session, runs: list, deterministic: bool, calibration: tuple | None = None) -> str:
     from ..plan.versus import error_table
     from .plan import versus_for
 
-    results = [versus_for(state, r) for r in runs if r.description.param_numels]
+    results = [versus_for(state, r, calibration) for r in runs if r.description.param_numels]
     return "\n\n" + error_table(results, deterministic) if results else ""
 
 

@@ -62,6 +62,7 @@ class Versus:
     hardware_source: str  # where the link and compute figures came from
     notes: list = field(default_factory=list)
     run: object = field(default=None, repr=False, compare=False)  # the RunRecords predicted
+    calibrated_on: str | None = None  # the name of the run the hardware was calibrated on (None: itself or none)
 
     def row(self, figure: str) -> Row:
         return next(r for r in self.rows if r.figure == figure)
@@ -113,8 +114,11 @@ def error_table(results: list, deterministic: bool = False) -> str:
             r = v.row(f)
             row.append("-" if r.error is None else _percent(r.error)
                        + ("" if r.within is None else " ok" if r.within else " off"))
+        if not deterministic:  # times depend on the calibration: which run's
+            row.append(repr(v.calibrated_on) if v.calibrated_on is not None else "itself")
         cells.append(row)
-    cols = ("planner's error (predicted - measured) / measured",) + figures
+    cols = ("planner's error (predicted - measured) / measured",) + figures + (
+        () if deterministic else ("calibrated on",))
     lines = _columns(cols, cells)
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
     return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); "
@@ -541,7 +545,7 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
         notes += _host_speed_note(run, hs, calibrated_on)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
-    return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run)
+    return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run, calibrated_on=calibrated_on)
 
 
 def _step_note(rows: list) -> tuple[str, str | None]:
