@@ -850,7 +850,7 @@ def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, clus
     line = next(x for x in errors if x.startswith("zero3 "))
     assert line.endswith("'ddp'") and f"{again.row('step time').error:+.1%}" in line, errors
     ddp_line = next(x for x in errors if x.startswith("ddp "))
-    assert ddp_line.endswith("itself"), errors  # calibrated on itself: its times fit by construction
+    assert ddp_line.endswith("itself"), errors  # calibrated on itself: its compute fits by construction
     from IPython.core.error import UsageError
 
     with pytest.raises(UsageError, match="--calibrate-on 'nosuch': no run named 'nosuch'; recorded runs: "):

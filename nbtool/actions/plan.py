@@ -253,7 +253,8 @@ def versus_for(state: Session, run, calibration: tuple | None = None):
             source += (", a --memory-timeline run: its bookkeeping is in the compute rate" if timed[0] else
                        ", a run without --memory-timeline: this one's times hold the timeline's bookkeeping")
     else:
-        hw, source = calibrate(run), "calibrated on this run (its times fit by construction)"
+        hw, source = calibrate(run), ("calibrated on this run (its compute fits by construction; its "
+                                      "communication is the link fit of its own collectives)")
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
         hw, source = hw.with_commbench(state.commbench), source + "; link from %commbench"
     return versus(run, hw, source, on)
