@@ -322,16 +322,29 @@ class NbtoolMagics(Magics):
                                         args.deterministic, self.session, on)
 
     @magic_arguments()
-    @argument("action", choices=["export"], help="what to do")
-    @argument("path", help="file to write: .json (the whole run) or .csv (one row per record)")
-    @argument("--name", default=None, help="which recorded run (default: the last one)")
+    @argument("action", choices=["export", "load"], help="what to do")
+    @argument("path", help="export: file to write, .json (the whole run) or .csv (one row per record); "
+                           "load: a .json export")
+    @argument("--name", default=None,
+              help="export: which recorded run (default: the last one); load: the name to record it under "
+                   "(default: its own)")
     @line_magic
     def dist_metrics(self, line=""):
-        """Export a recorded run: ``%dist_metrics export run.json`` (read back with nbtool.metrics.load)."""
+        """Export a recorded run, or load one back into this kernel's recorded runs.
+
+        ``%dist_metrics export run.json`` writes it (read back in Python with
+        nbtool.metrics.load); ``%dist_metrics load run.json [--name NAME]``
+        records an exported run again, from this kernel or another, so that
+        ``%dist_compare``, ``%dist_plan --vs`` and ``--calibrate-on`` take it.
+        """
         from . import actions
 
         args = parse_argstring(self.dist_metrics, line)
-        print(actions.metrics.export_run(self.session, args.path, args.name))
+        name = args.name.strip("\"'") if args.name else None
+        if args.action == "load":
+            print(actions.metrics.load_run(self.session, args.path.strip("\"'"), name))
+            return
+        print(actions.metrics.export_run(self.session, args.path, name))
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")

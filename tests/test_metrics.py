@@ -150,6 +150,40 @@ def test_export_load_round_trip(ranks, tmp_path, suffix, capsys):
         assert back.description == rec.description and back.name == "roundtrip"
 
 
+def test_a_loaded_run_is_compared_and_predicted_like_the_one_it_was(ranks, tmp_path, capsys):
+    """%dist_metrics load records an exported run again (from this kernel or another): %dist_compare
+    lists it, %dist_plan --vs predicts it and --calibrate-on calibrates on it, each exactly as on the
+    run it was; a name already recorded is refused, so nothing is replaced."""
+    from IPython.core.error import UsageError
+
+    record(ranks, "zero2 --name before")
+    path = tmp_path / "before.json"
+    ranks.run_line_magic("dist_metrics", f"export {path} --name before")
+    with pytest.raises(UsageError, match="a run named 'before' is recorded already; load it under another"):
+        ranks.run_line_magic("dist_metrics", f"load {path}")
+    capsys.readouterr()
+    ranks.run_line_magic("dist_metrics", f"load {path} --name yesterday")
+    assert capsys.readouterr().out.strip() == f"recorded run 'yesterday' from {path}: zero2, 2 ranks, 4 steps"
+    ranks.run_line_magic("dist_compare", "before yesterday --deterministic")
+    lines = capsys.readouterr().out.splitlines()
+    rows = {line.split()[0]: line.split()[1:] for line in lines[1:3]}
+    assert rows["yesterday"][:4] == rows["before"][:4], lines  # model states and bus bytes, and their ratios
+    # the same records predicted from the same calibration: the same table
+    loaded = nbtool.predicted_vs_measured("yesterday", calibrate_on="before")
+    own = nbtool.predicted_vs_measured("before", calibrate_on="yesterday")
+    assert [(r.figure, r.measured, r.predicted) for r in loaded.rows] == \
+        [(r.figure, r.measured, r.predicted) for r in own.rows]
+    assert loaded.calibrated_on == "before" and own.calibrated_on == "yesterday"
+    ranks.run_line_magic("dist_plan", "--vs yesterday --deterministic")
+    assert capsys.readouterr().out.startswith("predicted vs measured, run 'yesterday'")
+    (tmp_path / "not_a_run.json").write_text("{}")
+    for line, fragment in ((f"load {tmp_path / 'before.csv'}", "use a .json export"),
+                           (f"load {tmp_path / 'nosuch.json'}", "no such file"),
+                           (f"load {tmp_path / 'not_a_run.json'}", "cannot load")):
+        with pytest.raises(UsageError, match=fragment):
+            ranks.run_line_magic("dist_metrics", line)
+
+
 def test_load_names_fields_this_build_does_not_know(tmp_path):
     run = RunRecords(name="r", strategy="ddp", world_size=1, t_start=0.0)
     run.add([StepMarker(rank=0, step=1, t=1.0), ScalarRecord(rank=0, step=1, t=1.0, values={"loss": 2.0})])

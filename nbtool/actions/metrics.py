@@ -68,3 +68,29 @@ def export_run(state: Session, path: str, name: str | None) -> str:
     except OSError as e:
         raise UsageError(f"cannot write {path!r}: {e.strerror}") from None
     return f"wrote {len(run.comms)} collectives, {len(run.memory)} memory samples, {len(run.steps)} steps of run {run.name!r} to {path}"
+
+
+def load_run(state: Session, path: str, name: str | None) -> str:
+    """``%dist_metrics load``: an exported run (JSON: its records and description) recorded in this
+    kernel under its own name or ``name``; a name already recorded is refused, so nothing is lost."""
+    import os
+
+    from .. import metrics
+
+    if not str(path).endswith(".json"):
+        raise UsageError(f"load path {path!r}: use a .json export (a .csv lacks the run's description, "
+                         "which the planner needs; read it with nbtool.metrics.load)")
+    if not os.path.isfile(path):
+        raise UsageError(f"load path {path!r}: no such file")
+    try:
+        run = metrics.load(path)
+    except (ValueError, KeyError, TypeError) as e:  # another schema, or not a run export
+        raise UsageError(f"cannot load {path!r}: {e}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read {path!r}: {e.strerror}") from None
+    run.name = name or run.name
+    if run.name in state.runs:
+        raise UsageError(f"a run named {run.name!r} is recorded already; load it under another: --name NEW")
+    state.runs[run.name] = run
+    steps = sum(1 for m in run.steps if m.rank == 0)
+    return f"recorded run {run.name!r} from {path}: {run.strategy}, {run.world_size} ranks, {steps} steps"
