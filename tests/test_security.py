@@ -103,9 +103,10 @@ VALID = {
     ("line", "dist_push"): ["fuzz_value", "fuzz_value --ranks 1"],
     ("line", "dist_pull"): ["fuzz_rank_value", "fuzz_rank_value --rank 0"],
     ("line", "commbench"): ["all_reduce", "all_gather reduce_scatter --dtype bfloat16", "broadcast --ranks 0,1"],
-    ("line", "dist_plan"): ["--model 7e9 --devices 8", "--model gpt2 --precision fp32 --checkpointing full"],
-    ("line", "dist_compare"): ["", "ddp --deterministic"],
-    ("line", "dist_metrics"): ["export out.json", "export out.csv --name ddp"],
+    ("line", "dist_plan"): ["--model 7e9 --devices 8", "--model gpt2 --precision fp32 --checkpointing full",
+                            "--vs ddp --calibrate-on ddp --deterministic", "--text --model 1e8 --calibrate-on ddp"],
+    ("line", "dist_compare"): ["", "ddp --deterministic", "ddp --calibrate-on ddp"],
+    ("line", "dist_metrics"): ["export out.json", "export out.csv --name ddp", "load out.json --name again"],
     ("line", "dist_checkpoint"): ["save ck", "load ck --no-optimizer"],
 }
 JUNK = ["-1", "0", "abc", "1e99", "nan", "inf", "''", '"', "--", "-", "=", ",", "0-", "9-0", "../../x",
