@@ -276,6 +276,14 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
         lab.wait(lambda: page_note() is None, 10, "the bf16 note stayed after precision went to fp32")
     else:
         assert page_note() is None, page_note()
+    # which figures were measured, and on which run: the same line as the text's, on the page while this
+    # cluster's hardware is selected, gone with a preset's
+    measured = [line for line in lab.output_text(5).splitlines() if line.startswith("measured on this cluster: ")]
+    page_measured = lambda: lab.js("const n = document.querySelectorAll('.jp-Cell')[4]"
+                                   ".querySelector('.nbtool-measured'); return n ? n.innerText : null")
+    assert measured and "from run 'ddp'" in measured[0] and page_measured() == measured[0], (measured, page_measured())
+    lab.set_select(4, "hardware", "8x A100-40GB NVLink")
+    lab.wait(lambda: page_measured() is None, 10, "the measured line stayed with a preset's hardware")
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
     for s in lab.api("sessions"):  # its cluster goes with its kernel

@@ -33,8 +33,12 @@ COLORS = ("#636efa", "#ef553b", "#ab63fa", "#00cc96", "#ffa15a", "#8c8c8c")
 
 class Picker:
     def __init__(self, hardware: Hardware | None = None, model: str = "GPT-2 small (124M)", shell=None,
-                 shape: ModelShape | None = None):
+                 shape: ModelShape | None = None, measured: str = ""):
         self.shell = shell
+        # which of ``hardware``'s figures this cluster measured (%dist_plan --text prints the same line),
+        # shown while that hardware is selected
+        self.measured = measured if hardware is not None else ""
+        self._measured_hw = hardware.name if hardware is not None else None
         # the user's own model (%dist_plan --model VAR), counted, is offered first under its name
         self.model_presets = {shape.name: shape, **MODEL_PRESETS} if shape is not None else dict(MODEL_PRESETS)
         if shape is not None:
@@ -169,6 +173,8 @@ class Picker:
         # CPU ranks that emulate bf16: say so above the ranking, with fp32's predicted step
         note = emulated_bf16_note(shape, training, hw, rec)
         note = f"<p class='nbtool-note' style='font-size:smaller'>note: {html.escape(note)}</p>" if note else ""
+        if self.measured and self.hardware.value == self._measured_hw:
+            note = f"<p class='nbtool-measured' style='font-size:smaller'>{html.escape(self.measured)}</p>" + note
         self.ranking.value = f"{note}<ol style='font-size:smaller'>{items}</ol>"
         self.updates += 1
 

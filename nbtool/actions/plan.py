@@ -111,6 +111,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
         raise UsageError(f"--calibrate-on {req.calibrate_on!r}: a run calibrates this cluster's figures; "
                          + ("drop --hardware" if hw is not None else "no cluster is running (%cluster start)"))
     calibration = calibration_on(state, req.calibrate_on) if req.calibrate_on else state.calibration
+    measured_text = ""  # which of this cluster's figures were measured, and on what
     if hw is None and running:
         from ..plan.detect import hardware_from_facts
         from ..rank.bootstrap import hardware_facts
@@ -139,16 +140,18 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
             links = [r.link for r in state.commbench.parts if r.link]
             measured.append(f"{' and '.join(links) + ' links' if links else 'link'} from the last %commbench "
                             "all_reduce fit")
-        if measured and req.text:
-            print("measured on this cluster: " + "; ".join(measured)
-                  + " (device memory from the ranks' own report; host link: preset)")
+        if measured:
+            measured_text = ("measured on this cluster: " + "; ".join(measured)
+                             + " (device memory from the ranks' own report; host link: preset)")
+            if req.text:
+                print(measured_text)
     shape, training = req.shape, req.training
     if in_kernel and not req.text:
         from ..widgets.picker import Picker
 
         counted = shape is not None and shape.layers is not None  # a module or config: offered by its name
         picker = Picker(hardware=hw, model=req.model_name if shape is None else "custom", shell=shell,
-                        shape=shape if counted else None)
+                        shape=shape if counted else None, measured=measured_text)
         with picker.quiet():  # one chart update after all inputs are set
             if shape is not None and not counted:
                 picker.custom_params.value = shape.params / 1e9
