@@ -176,6 +176,22 @@ def test_a_loaded_run_is_compared_and_predicted_like_the_one_it_was(ranks, tmp_p
     assert loaded.calibrated_on == "before" and own.calibrated_on == "yesterday"
     ranks.run_line_magic("dist_plan", "--vs yesterday --deterministic")
     assert capsys.readouterr().out.startswith("predicted vs measured, run 'yesterday'")
+    # the same records as GPUs would have written them (device-timed collectives, the CUDA allocator's
+    # peak): a CPU run's calibration does not carry over to them, nor theirs to this CPU cluster
+    d = json.loads(path.read_text())
+    for c in d["comms"]:
+        c["clock"] = "device"
+    for m in d["memory"]:
+        m["cuda_peak"] = 2**20
+    (tmp_path / "gpu.json").write_text(json.dumps(d))
+    ranks.run_line_magic("dist_metrics", f"load {tmp_path / 'gpu.json'} --name gpu_like")
+    for magic, line, fragment in (
+            ("dist_plan", "--vs gpu_like --calibrate-on before", "that run was on CPU ranks, 'gpu_like' on GPUs"),
+            ("dist_compare", "before gpu_like --calibrate-on before", "'gpu_like' on GPUs; a calibration carries"),
+            ("dist_plan", "--text --model 1e8 --calibrate-on gpu_like",
+             "that run was on GPUs, this cluster's ranks are CPU ranks")):
+        with pytest.raises(UsageError, match=fragment):
+            ranks.run_line_magic(magic, line)
     (tmp_path / "not_a_run.json").write_text("{}")
     for line, fragment in ((f"load {tmp_path / 'before.csv'}", "use a .json export"),
                            (f"load {tmp_path / 'nosuch.json'}", "no such file"),

@@ -18,9 +18,10 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
 
     calibration = None
     if calibrate_on is not None:
-        from .plan import calibration_on
+        from .plan import calibration_on, same_device_kind
 
         calibration = calibration_on(state, calibrate_on)  # checked before anything is shown
+        same_device_kind(calibration, [r for r in runs if r.description.param_numels])
     comparison = Comparison(runs)
     errors = _planner_errors(state, runs, deterministic, calibration) if state is not None else ""
     if deterministic or not in_kernel:

@@ -119,14 +119,12 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
         facts = cluster.view([0]).apply_sync(hardware_facts)[0]
         hw = hardware_from_facts(facts, cluster.world_size, cluster.layout.backend, cluster.places)
         measured = []
-        if req.calibrate_on and not (calibration[0].measured
-                                     and calibration[0].devices_per_node == hw.devices_per_node):
-            raise UsageError(f"--calibrate-on {req.calibrate_on!r}: " + (
-                "that run measured no link and no compute rate" if not calibration[0].measured else
-                f"that run had {calibration[0].devices_per_node} ranks per host, this cluster "
-                f"{hw.devices_per_node}"))
-        if calibration is not None and calibration[0].measured \
-                and calibration[0].devices_per_node == hw.devices_per_node:
+        why = _misfit(calibration, hw) if calibration is not None else ""
+        if why and req.calibrate_on:
+            raise UsageError(f"--calibrate-on {req.calibrate_on!r}: {why}")
+        if why:  # the latest run's calibration does not fit this cluster (another was started since)
+            calibration = None
+        if calibration is not None:
             from dataclasses import replace
 
             cal, name, _ = calibration
@@ -183,6 +181,22 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     return None
 
 
+def _misfit(calibration: tuple, hw) -> str:
+    """Why a calibration (Hardware, name, run) cannot stand for this cluster's ``hw``, or ""."""
+    from ..plan.versus import ran_on_cpu
+
+    cal, _, run = calibration
+    cpu = hw.host_speed is not None  # CPU ranks: the host-cost model's speed
+    if not cal.measured:
+        return "that run measured no link and no compute rate"
+    if cal.devices_per_node != hw.devices_per_node:
+        return f"that run had {cal.devices_per_node} ranks per host, this cluster {hw.devices_per_node}"
+    if ran_on_cpu(run) != cpu:
+        kinds = ("GPUs", "CPU ranks") if cpu else ("CPU ranks", "GPUs")
+        return f"that run was on {kinds[0]}, this cluster's ranks are {kinds[1]}"
+    return ""
+
+
 def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     """A preset by a forgiving name: case, spaces and punctuation ignored; a unique fragment is enough."""
     norm = lambda x: "".join(ch for ch in x.lower() if ch.isalnum())
@@ -204,8 +218,11 @@ def plan_vs(state: Session, name: str | None = None, on: str | None = None, dete
         raise UsageError("no recorded run yet; run a %%distributed STRATEGY cell first")
     else:
         run = state.last
+    calibration = calibration_on(state, on) if on is not None else None
+    if calibration is not None:
+        same_device_kind(calibration, [run])
     try:
-        result = versus_for(state, run, calibration_on(state, on) if on is not None else None)
+        result = versus_for(state, run, calibration)
     except ValueError as e:
         raise UsageError(str(e)) from None
     print(result.text(deterministic=deterministic))
@@ -224,6 +241,19 @@ def calibration_on(state: Session, name: str) -> tuple:
                          "model to calibrate on")
     before = state.calibration[0].host_speed if state.calibration is not None else None
     return calibrate(run, host_speed=before), run.name, run
+
+
+def same_device_kind(calibration: tuple, runs: list) -> None:
+    """Refuses a calibration on CPU ranks for runs on GPUs, or the other way round: a CPU run calibrates
+    the host-cost model (nbtool.plan.cpu_costs), a GPU run a FLOP rate, and neither carries over."""
+    from ..plan.versus import ran_on_cpu
+
+    kind = lambda run: "CPU ranks" if ran_on_cpu(run) else "GPUs"
+    other = [r.name for r in runs if kind(r) != kind(calibration[2])]
+    if other:
+        raise UsageError(f"--calibrate-on {calibration[1]!r}: that run was on {kind(calibration[2])}, "
+                         f"{', '.join(map(repr, other))} on {kind(next(r for r in runs if r.name == other[0]))}; "
+                         "a calibration carries over only to runs on the same kind of device")
 
 
 def _named_run(state: Session, name: str, option: str):
