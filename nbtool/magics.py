@@ -254,7 +254,8 @@ class NbtoolMagics(Magics):
 
         actions.run.run_strategy(self.session, cluster, cell, spec, in_kernel=self.in_kernel, timeout=args.timeout,
                              quiet=args.quiet, export_config=args.export_config, metrics=args.metrics,
-                             watch=args.watch, name=args.name, collective_timeout=args.collective_timeout)
+                             watch=args.watch, name=_unquoted(args.name) if args.name else None,
+                             collective_timeout=args.collective_timeout)
 
     def _compare(self, line: str, cell: str):
         """%%distributed compare ddp, fsdp --precision bf16, zero3 --offload both"""
@@ -317,7 +318,10 @@ class NbtoolMagics(Magics):
 
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
-        on = args.calibrate_on.strip("\"'") if args.calibrate_on else None
+        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        if twice is not None:
+            raise UsageError(f"{twice!r} is listed twice")
+        on = _unquoted(args.calibrate_on) if args.calibrate_on else None
         actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
                                         args.deterministic, self.session, on)
 
@@ -340,9 +344,9 @@ class NbtoolMagics(Magics):
         from . import actions
 
         args = parse_argstring(self.dist_metrics, line)
-        name = args.name.strip("\"'") if args.name else None
+        name = _unquoted(args.name) if args.name else None
         if args.action == "load":
-            print(actions.metrics.load_run(self.session, args.path.strip("\"'"), name))
+            print(actions.metrics.load_run(self.session, _unquoted(args.path), name))
             return
         print(actions.metrics.export_run(self.session, args.path, name))
 
@@ -472,12 +476,23 @@ class NbtoolMagics(Magics):
         from . import actions
 
         args = parse_argstring(self.dist_plan, line)
-        names = {n: v.strip("\"'") for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on)) if v}
+        names = {n: _unquoted(v) for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on)) if v}
         if args.vs_last and "--vs" in names:
             raise UsageError(f"--vs {names['--vs']!r} and --vs-last: give one (--vs-last is the last run)")
         if args.vs_last or "--vs" in names:
+            # a recorded run is predicted from what its ranks recorded: the ranking's inputs do not apply
+            ignored = [opt for opt, given in (("--model", args.model is not None), ("--hardware", args.hardware),
+                                              ("--devices", args.devices), ("--micro-batch", args.micro_batch != 1),
+                                              ("--seq", args.seq), ("--precision", args.precision != "bf16"),
+                                              ("--checkpointing", args.checkpointing != "none")) if given]
+            if ignored:
+                raise UsageError(f"{ignored[0]} applies to the ranking, not to --vs/--vs-last: a recorded run is "
+                                 "predicted from the model, batch and options its ranks recorded")
             return actions.plan.plan_vs(self.session, names.get("--vs"), names.get("--calibrate-on"),
                                         args.deterministic)
+        if args.deterministic:
+            raise UsageError("--deterministic applies with --vs NAME or --vs-last (the ranking has no measured "
+                             "figures)")
         args.calibrate_on = names.get("--calibrate-on")
         req = actions.plan.request(args, self.shell.user_ns)  # resolved and checked before the cluster is asked
         return actions.plan.plan(self.session, req, self.rank_cluster, self.in_kernel, self.shell)

@@ -200,6 +200,20 @@ def test_a_loaded_run_is_compared_and_predicted_like_the_one_it_was(ranks, tmp_p
             ranks.run_line_magic("dist_metrics", line)
 
 
+def test_a_quoted_name_and_a_cell_without_prepare(ranks, capsys):
+    """``--name "my run"`` records the run as my run (IPython keeps the quotes in the line); a later cell
+    of the same name that never calls strategy.prepare does not replace it, and says so."""
+    good = record(ranks, 'ddp --name "my run"')
+    assert good.name == "my run" and nbtool.last_run("my run") is good
+    capsys.readouterr()
+    ranks.run_cell('%%distributed ddp --name "my run" --quiet\n_nothing = 1').raise_error()
+    err = capsys.readouterr().err
+    assert "the run 'my run' recorded before is kept" in err and "never called strategy.prepare" in err, err
+    assert nbtool.last_run("my run") is good and nbtool.last_run() is not good
+    ranks.run_line_magic("dist_compare", '"my run" --deterministic')
+    assert capsys.readouterr().out.splitlines()[1].startswith("my run ")
+
+
 def test_load_names_fields_this_build_does_not_know(tmp_path):
     run = RunRecords(name="r", strategy="ddp", world_size=1, t_start=0.0)
     run.add([StepMarker(rank=0, step=1, t=1.0), ScalarRecord(rank=0, step=1, t=1.0, values={"loss": 2.0})])
@@ -238,6 +252,7 @@ def test_compare_runs_table(ranks, capsys, tmp_path):
 
 @pytest.mark.parametrize("line,fragment", [
     ("%dist_compare nope", "no run named 'nope'; recorded runs:"),
+    ("%dist_compare ddp ddp", "'ddp' is listed twice"),
     ("%dist_metrics export x.txt", "use a .json or .csv file name"),
     ("%dist_metrics dump x.json", "invalid choice: 'dump'"),
     ("%%distributed compare ddp\nx=1", "compare needs at least two runs"),

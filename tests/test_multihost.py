@@ -127,7 +127,7 @@ def test_commbench_measures_each_link_apart_and_the_planner_sees_hosts(driven):
     assert [r["label"] for r in bench] == ["all ranks", "intra-host", "inter-host"]
     plan = driven["plan"]
     assert "intra-host and inter-host links from the last %commbench all_reduce fit" in plan, plan
-    assert "on 4 x" in plan and "(2 hosts x 2 CPU ranks (gloo), measured links)" in plan, plan
+    assert "on 4 x" in plan and "(2 hosts x 2 CPU ranks (gloo), partly measured: the line above)" in plan, plan
 
 
 def test_stop_leaves_nothing_in_either_namespace(driven, two_hosts):

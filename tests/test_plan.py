@@ -71,6 +71,25 @@ def test_matches_deepspeed_estimators(nodes, per_node):
         assert _model_states(est[name]) == sum(led.values()) != _device_states(est[name]), name
 
 
+def test_fp32_offload_moves_the_optimizers_states_to_the_host_on_gpus():
+    """fp32 ZeRO with offload (the ledger theory's figures, no estimator for it): on GPUs DeepSpeed's CPU
+    optimizer holds the fp32 partition and its states on the host, and --offload both ZeRO-3's parameter
+    partitions; the ranking had shown them on the device, as without offload. On CPU ranks the host is
+    the device, and nothing moves."""
+    m = ModelShape(int(1e8))
+    t = Training(precision="fp32")
+    gpu = HARDWARE_PRESETS["8x A100-40GB NVLink"]
+    plain, opt, both = (estimate(name, m, t, gpu) for name in ("zero3", "zero3-offload-optimizer", "zero3-offload"))
+    assert "optimizer" not in opt.device and opt.host == plain.device["optimizer"] * 8
+    assert "params" not in both.device and both.host == (plain.device["optimizer"] + plain.device["params"]) * 8
+    assert both.device_total < opt.device_total < plain.device_total
+    two = estimate("zero2-offload", m, t, gpu)
+    assert "optimizer" not in two.device and two.offload_s == pytest.approx((4 + 4) * m.params / 8 / gpu.host_link_bw)
+    cpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
+    on_cpu, plain_cpu = estimate("zero2-offload", m, t, cpu), estimate("zero2", m, t, cpu)
+    assert on_cpu.device["optimizer"] == plain_cpu.device["optimizer"] and on_cpu.host == 0
+
+
 LEDGER_SETUP = """%%distributed --quiet
 from nbtool.rank.example_models import TinyTransformer, SyntheticTokens, lm_loss
 def _one_step(strategy, steps=1):
@@ -190,6 +209,10 @@ def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
     ("--vs nosuch", "--vs 'nosuch': no "),  # "recorded runs yet" or "run named", by test order
     ("--vs-last --vs ddp", "--vs 'ddp' and --vs-last: give one"),
     ('--vs "fsdp --wrap Nosuch"', "--vs 'fsdp --wrap Nosuch': no "),  # a quoted name with spaces
+    ("--vs-last --model 7e9", "--model applies to the ranking, not to --vs/--vs-last"),
+    ("--vs ddp --hardware a100-40gb", "--hardware applies to the ranking, not to --vs/--vs-last"),
+    ("--vs ddp --precision fp32", "--precision applies to the ranking"),
+    ("--deterministic", "--deterministic applies with --vs NAME or --vs-last"),
     ("--calibrate-on nosuch", "--calibrate-on 'nosuch': "),
     ("--hardware a100-40gb --calibrate-on ddp", "--calibrate-on 'ddp': a run calibrates this cluster's figures; "
                                                 "drop --hardware"),
@@ -254,7 +277,7 @@ def test_dist_plan_on_this_cluster_uses_measured_links(ip, cluster, capsys):
     capsys.readouterr()
     ip.run_line_magic("dist_plan", "--text --model 1e8 --micro-batch 2 --seq 128")
     out = capsys.readouterr().out
-    assert "2 CPU ranks (gloo, this machine), measured links" in out
+    assert "2 CPU ranks (gloo, this machine), partly measured: the line above)" in out
 
 
 def test_vs_last_compares_prediction_with_the_ledger(ip, cluster, capsys):

@@ -45,7 +45,7 @@ class Comparison:
                 "by op: S MiB/step"]
         compiled = any(row["compile_s"] for row in self.rows)
         if not deterministic:
-            cols += ["collectives/step", "peak RSS MiB", "step ms", "vs first", "comm busy ms/step",
+            cols += ["collectives/step", "peak RSS MiB", "step ms (mean)", "vs first", "comm busy ms/step",
                      "comm exposed ms/step", "final loss"] + (["compile s"] if compiled else [])
         out = []
         for row in self.rows:
@@ -80,8 +80,9 @@ class Comparison:
         note = ("model state = bytes of parameters, gradients, master copies and optimizer state each rank owns "
                 "(ledger, not RSS); comm bus bytes = S x the nccl-tests bus factor of each collective issued per "
                 "optimizer step (what each rank sends/receives; mean of steps 2..N, rank 0), S by op as nccl-tests "
-                "defines it; times are wall time on rank 0; comm busy = the union of the collectives' in-flight intervals "
-                "within each step (overlapping async collectives count once); comm exposed = the part of it the "
+                "defines it; times are wall time on rank 0, means of steps 2..N (the planner's error on the step "
+                "time, below the table, is against their median, which a stalled step moves less); comm busy = "
+                "the union of the collectives' in-flight intervals within each step (overlapping async collectives count once); comm exposed = the part of it the "
                 "training thread was blocked on (blocking collectives whole, async ones while waited; '-' where that "
                 "is not observable: DDP's reducer waits inside C++, CUDA ranks time the device); ratios are to the "
                 "first run" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "

@@ -167,8 +167,9 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
         hw = hw.with_devices(req.devices)
     shape = shape or MODEL_PRESETS[req.model_name]
     rec = recommend(shape, training, hw)
+    tag = ", partly measured: the line above" if hw.measured else ""
     print(f"{shape.name or shape.params}: {_count_text(shape.params)} parameters on {hw.devices} x "
-          f"{hw.device_memory / 2**30:.0f} GiB ({hw.name}{', measured links' if hw.measured else ''}); "
+          f"{hw.device_memory / 2**30:.0f} GiB ({hw.name}{tag}); "
           f"{training.precision}, micro-batch {training.micro_batch}, checkpointing {training.checkpointing}")
     for i, line in enumerate(rec.lines(), 1):
         print(f"{i:>2}. {line}")

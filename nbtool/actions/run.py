@@ -80,8 +80,12 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
                              t_end=time.time(), description=finished[0]["description"])
             for part in finished:
                 run.add(part["records"])
-            if ok:  # a failed run is kept for inspection (last_run()), never as a comparison row
-                state.runs[run.name] = run
+            kept = state.runs.get(run.name)
+            if ok and (run.description.param_numels or kept is None or not kept.description.param_numels):
+                state.runs[run.name] = run  # a failed run is kept for inspection (last_run()), never as a row
+            elif ok:  # a cell that never called strategy.prepare does not replace a run that did
+                print(f"nbtool: the run {run.name!r} recorded before is kept for %dist_compare and %dist_plan: "
+                      "this cell never called strategy.prepare (nbtool.last_run() has it)", file=sys.stderr)
             state.last = run
         if dash is not None:  # the live widget's output becomes its static copy, in place
             dash.refresh(run, force=True)

@@ -21,7 +21,8 @@ def hardware_from_facts(facts: dict, world_size: int, backend: str, places: list
     where = f"{nodes} hosts x {per_node}" if nodes > 1 else f"{world_size}"
     if backend != "nccl" or not facts.get("gpus"):
         base = HARDWARE_PRESETS["2 CPU ranks (gloo)"]
-        return Hardware(f"{where} CPU ranks (gloo{', this machine' if nodes == 1 else ''})", nodes, per_node,
+        ranks = "CPU rank" if nodes == 1 and world_size == 1 else "CPU ranks"
+        return Hardware(f"{where} {ranks} (gloo{', this machine' if nodes == 1 else ''})", nodes, per_node,
                         facts["host_memory"] / per_node, facts["host_memory"], base.intra_bw, base.inter_bw,
                         base.intra_latency, base.inter_latency,
                         link=base.link if nodes == 1 else "loopback within a host, the network across",

@@ -525,8 +525,17 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                               whole=whole)
         e.device.update(params=led["params"], grads=led["grads"],
                         optimizer=led["master_params"] + led["optimizer_state"] + led["other"])
-        if layout.is_zero and layout.offload:
-            e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory, offload not split out")
+        if layout.is_zero and layout.offload and cpu:  # the host is the device: offloaded states in place
+            e.notes.append("fp32 or non-Adam ZeRO: figures from the ledger theory; on CPU ranks the offloaded "
+                           "states stay in the same memory")
+        elif layout.is_zero and layout.offload:
+            # DeepSpeed's CPU optimizer holds the fp32 partition and its states on the host; with
+            # --offload both ZeRO-3's parameter partitions live there too (gathered onto the device at use)
+            e.host = e.device.pop("optimizer") * hw.devices_per_node
+            if layout.offload == "both" and layout.stage == 3:
+                e.host += e.device.pop("params") * hw.devices_per_node
+            e.notes.append("fp32 or non-Adam ZeRO with offload: the ledger theory's states, the optimizer's (and "
+                           "with --offload both, ZeRO-3's parameter partitions) counted on the host")
     reduce_at = None  # FSDP's (buffers, activations) as a unit's gradients are reduce-scattered
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
@@ -629,9 +638,9 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # 8 in stage 3), as slow as a small all-reduce can be on CPU ranks
         e.add_comm(hw, "all_reduce", n, 1, 2 * frac * (8 if stage == 3 else 4))
         if layout.offload:
-            moved = (4 + 2) * psi / n  # fp32 gradients out, 16-bit parameters back, per device
+            moved = (4 + w) * psi / n  # fp32 gradients out, parameters (16-bit where mixed) back, per device
             if layout.offload == "both":
-                moved += 2 * 2 * psi / n  # parameters fetched from the host for forward and backward
+                moved += 2 * w * psi / n  # parameters fetched from the host for forward and backward
             e.offload_s = moved / hw.host_link_bw
             e.notes.append(f"offload moves {format_gb(moved)} per device per step over the host link")
     # gloo's collectives on CPU ranks share the cores with compute: the recorder shows the thread

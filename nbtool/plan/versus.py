@@ -121,7 +121,8 @@ def error_table(results: list, deterministic: bool = False) -> str:
         () if deterministic else ("calibrated on",))
     lines = _columns(cols, cells)
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
-    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}); "
+    median = "" if deterministic else "; step time: against the median of steps 2..N"
+    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}){median}; "
                               "%dist_plan --vs NAME for a run's figures"])
 
 
