@@ -292,6 +292,21 @@ def test_vs_last_compares_prediction_with_the_ledger(ip, cluster, capsys):
     assert not any(line.startswith("step time") for line in lines)  # times vary run to run: not shown
 
 
+def test_vs_last_says_when_the_last_run_failed(ip, cluster, capsys):
+    """--vs-last shows a run that raised as far as it got, and says it failed; --vs NAME is the recorded
+    run of that name, the one before it."""
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell("%%distributed zero2 --quiet\n_led = _one_step(strategy)").raise_error()
+    assert not ip.run_cell("%%distributed zero2 --quiet\n_led = _one_step(strategy)\nraise RuntimeError('boom')").success
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--vs-last --deterministic")
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("the last run, 'zero2', failed: its figures are as far as it got"), lines
+    assert lines[1] == "predicted vs measured, run 'zero2'"
+    ip.run_line_magic("dist_plan", "--vs zero2 --deterministic")
+    assert capsys.readouterr().out.startswith("predicted vs measured, run 'zero2'")
+
+
 def test_dist_plan_calibrates_on_the_latest_run(ip, cluster, capsys):
     """After a strategy run, %dist_plan on this cluster uses the run's link fit and compute rate."""
     ip.run_cell(LEDGER_SETUP).raise_error()
