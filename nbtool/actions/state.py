@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 class Session:
     """What this kernel remembers between cells."""
 
-    runs: dict = field(default_factory=dict)  # recorded runs by name (a later run takes over its name)
+    # recorded runs by name: a later run takes over its name, unless it never called strategy.prepare and
+    # the earlier one did (actions.run)
+    runs: dict = field(default_factory=dict)
     last: object = None  # the newest RunRecords, failed runs included (for inspection)
     commbench: object = None  # the last CommbenchResult, whose link fit the planner uses
     # (Hardware, its run's name, that run): links and compute rate calibrated on the latest good run
