@@ -25,9 +25,35 @@ NO_CLUSTER = "no cluster is running; start one with %cluster start -n 2"
 def parse_argstring(magic, line: str):
     """IPython's parser, with shell-quoting mistakes (an unclosed quote) as UsageErrors too."""
     try:
-        return _parse_argstring(magic, line)
+        args = _parse_argstring(magic, line)
     except ValueError as e:  # shlex: "No closing quotation", "No escaped character"
         raise UsageError(f"cannot split {line!r}: {e}; close the quote or escape it") from None
+    _refuse_repeats(magic.parser, line)
+    return args
+
+
+def _refuse_repeats(parser, line: str) -> None:
+    """argparse keeps the last of an option given twice (``--vs a --vs b``, ``--bf16 --no-bf16``): the
+    user meant one of them, and nbtool would silently pick; refuse instead."""
+    from IPython.utils.process import arg_split
+
+    options = parser._option_string_actions  # exact strings; argparse also takes unique prefixes
+    seen: dict[str, str] = {}
+    for token in arg_split(line):
+        if token == "--":
+            break
+        if not token.startswith("--"):
+            continue
+        opt = token.split("=", 1)[0]
+        matches = [o for o in options if o == opt] or [o for o in options if o.startswith(opt)]
+        if len(matches) != 1 or options[matches[0]].dest == "help":
+            continue
+        dest = options[matches[0]].dest
+        if dest in seen:
+            first = seen[dest]
+            raise UsageError(f"{first} is given twice: give it once" if first == matches[0] else
+                             f"{first} and {matches[0]} set the same option: give one")
+        seen[dest] = matches[0]
 
 
 def _unquoted(text: str) -> str:

@@ -178,6 +178,11 @@ BAD_LINES = [
     ("line", "dist_pull", "never_defined_xyz", "'never_defined_xyz' is not defined on rank(s) 0-1"),
     ("line", "dist_pull", "x --rank 9", "--rank 9 does not exist"),
     ("line", "dist_pull", "x --rank -1", "rank '-1'"),
+    # argparse would keep the last of two; nbtool cannot tell which one was meant
+    ("line", "dist_plan", "--vs ddp --vs fsdp", "--vs is given twice: give it once"),
+    ("cell", "distributed", "ddp --precision bf16 --precision=fp32", "--precision is given twice"),
+    ("cell", "distributed", "fsdp --reshard-after-forward --no-reshard", "--reshard-after-forward and "
+     "--no-reshard-after-forward set the same option: give one"),
 ]
 
 

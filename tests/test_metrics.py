@@ -279,6 +279,21 @@ def synthetic_run(n_steps: int = 3) -> RunRecords:
     return run
 
 
+def test_compare_ratios_skip_a_first_run_that_recorded_nothing():
+    """A cell that never prepared a model (or failed before its first step) leads the table: the ratios
+    are to the first run that has each figure, not blanked for every run."""
+    from nbtool.widgets.compare import Comparison
+
+    empty, a, b = RunRecords("empty", "ddp", 2, t_start=0.0), synthetic_run(4), synthetic_run(4)
+    a.name, b.name = "a", "b"
+    for m in b.memory:  # b holds half a's model state
+        m.ledger = {k: v // 2 for k, v in m.ledger.items()}
+    cols, rows = Comparison([empty, a, b])._cells(False)
+    state, step = cols.index("model state MiB (max rank)") + 1, cols.index("step ms (mean)") + 1
+    assert [r[state] for r in rows] == ["-", "x1.00", "x0.50"]
+    assert [r[step] for r in rows] == ["-", "x1.00", "x1.00"]
+
+
 def count_messages(widget) -> list:
     """Plotly updates the widget sends: the states whose ``_py2js_update`` carries data.
 

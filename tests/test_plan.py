@@ -193,7 +193,7 @@ def test_nothing_fits_says_what_would():
 def test_dist_plan_text_and_the_line_it_suggests_runs(ip, cluster, capsys):
     ip.run_line_magic("dist_plan", "--text --model 6.6e9 --hardware a100-40gb --checkpointing full")
     out = capsys.readouterr().out
-    assert "6.6B parameters on 8 x 40 GiB" in out
+    assert "6.6B parameters on 8 x 42.9 GB = 40 GiB" in out
     assert " 1. FSDP (grad-op sharding) fits with" in out
     assert "run it: %%distributed fsdp --no-reshard-after-forward --precision bf16 --activation-checkpointing" in out
 

@@ -22,11 +22,16 @@ def _op_bytes(op: str, b: float) -> str:
 
 
 def _ratio(x, base) -> str:
-    return f"x{x / base:.2f}" if base else "-"
+    return f"x{x / base:.2f}" if base and x else "-"  # "-": a figure this run or every run lacks
+
+
+def _first(values: list) -> float:
+    return next((v for v in values if v), 0)
 
 
 class Comparison:
-    """``%dist_compare`` / ``%%distributed compare``: rows in run order; ratios are to the first run.
+    """``%dist_compare`` / ``%%distributed compare``: rows in run order; ratios are to the first run
+    that has the figure (a run that recorded no model or no steps is skipped as a base).
 
     Deterministic columns (for a fixed model, data and world size): model-state
     bytes (the ledger, max over ranks) and communication bytes per step (bus
@@ -38,9 +43,11 @@ class Comparison:
         self.rows = [run_analysis.summary(r) for r in runs]
 
     def _cells(self, deterministic: bool) -> tuple[list[str], list[list[str]]]:
-        base = self.rows[0]
-        bmax = max(base["model_state_bytes"].values() or [0])
-        bbus = base["bus_bytes_per_step"]
+        # each ratio is to the first run that has the figure: a cell that recorded no model or no
+        # steps (no strategy.prepare, a failed run) would otherwise blank the whole column
+        bmax = _first([max(row["model_state_bytes"].values() or [0]) for row in self.rows])
+        bbus = _first([row["bus_bytes_per_step"] for row in self.rows])
+        bstep = _first([row["step_s"] for row in self.rows])
         cols = ["run", "model state MiB (max rank)", "vs first", "comm bus MiB/step", "vs first",
                 "by op: S MiB/step"]
         compiled = any(row["compile_s"] for row in self.rows)
@@ -56,7 +63,7 @@ class Comparison:
             if not deterministic:
                 cells += [f"{sum(row['collectives_per_step'].values()):.1f}",
                           f"{max(row['peak_rss'].values() or [0]) / MIB:.0f}", f"{row['step_s'] * 1e3:.1f}",
-                          _ratio(row["step_s"], base["step_s"]), f"{row['comm_s_per_step'] * 1e3:.1f}",
+                          _ratio(row["step_s"], bstep), f"{row['comm_s_per_step'] * 1e3:.1f}",
                           "-" if row["exposed_s_per_step"] is None else f"{row['exposed_s_per_step'] * 1e3:.1f}",
                           "-" if row["final_loss"] is None else f"{row['final_loss']:.4f}"]
                 cells += [f"{row['compile_s']:.1f}" if row["compile_s"] else "-"] if compiled else []
@@ -85,7 +92,7 @@ class Comparison:
                 "the union of the collectives' in-flight intervals within each step (overlapping async collectives count once); comm exposed = the part of it the "
                 "training thread was blocked on (blocking collectives whole, async ones while waited; '-' where that "
                 "is not observable: DDP's reducer waits inside C++, CUDA ranks time the device); ratios are to the "
-                "first run" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "
+                "first run that has the figure" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "
                                  "its steps left out of the step times" if any(r["compile_s"] for r in self.rows)
                                  else ""))
         return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

@@ -168,8 +168,11 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     shape = shape or MODEL_PRESETS[req.model_name]
     rec = recommend(shape, training, hw)
     tag = ", partly measured: the line above" if hw.measured else ""
+    from ..plan.inputs import format_gb
+
+    # decimal GB as in the lines below ("38.7 GB usable" of a 40 GiB card), the card's GiB beside it
     print(f"{shape.name or shape.params}: {_count_text(shape.params)} parameters on {hw.devices} x "
-          f"{hw.device_memory / 2**30:.0f} GiB ({hw.name}{tag}); "
+          f"{format_gb(hw.device_memory)} = {hw.device_memory / 2**30:.0f} GiB ({hw.name}{tag}); "
           f"{training.precision}, micro-batch {training.micro_batch}, checkpointing {training.checkpointing}")
     for i, line in enumerate(rec.lines(), 1):
         print(f"{i:>2}. {line}")
