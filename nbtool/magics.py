@@ -467,13 +467,15 @@ class NbtoolMagics(Magics):
     @magic_arguments()
     @argument("--model", default=None,
               help="a preset (nbtool.plan.MODEL_PRESETS), a parameter count (7e9, 1.3b, 722k), a variable holding "
-                   "a model (counted on the meta device is fine) or a Hugging Face config, or a config .json path")
+                   "a model (counted on the meta device is fine) or a Hugging Face config, or a config .json path; "
+                   "default: the last run's model, as it trained, else GPT-2 small")
     @argument("--hardware", default=None, help="a preset name; default: this cluster if one runs")
     @argument("--devices", type=positive_int, default=None, help="number of devices")
-    @argument("--micro-batch", type=positive_int, default=1)
-    @argument("--seq", type=positive_int, default=None)
-    @argument("--precision", choices=PRECISIONS, default="bf16")
-    @argument("--checkpointing", choices=["none", "selective", "full"], default="none")
+    @argument("--micro-batch", type=positive_int, default=None, help="default: the last run's, else 1")
+    @argument("--seq", type=positive_int, default=None, help="default: the last run's, else the model's")
+    @argument("--precision", choices=PRECISIONS, default=None, help="default: the last run's, else bf16")
+    @argument("--checkpointing", choices=["none", "selective", "full"], default=None,
+              help="default: the last run's, else none")
     @argument("--text", action="store_true", help="print the ranked recommendation instead of the widget")
     @argument("--vs-last", action="store_true", help="the last run's figures next to the planner's prediction")
     @argument("--vs", default=None, metavar="NAME", help="the recorded run NAME's figures next to the planner's")
@@ -495,7 +497,8 @@ class NbtoolMagics(Magics):
         the run before it; ``--vs NAME`` does so for the run called NAME.
         ``--calibrate-on NAME`` calibrates the planner on the recorded run NAME
         instead of the latest (for the ranking, and with ``--vs``: e.g. on a
-        ddp cell run again after a slow spell). Presets:
+        ddp cell run again after a slow spell). Without ``--model`` it plans the
+        model the last run trained, as it trained it. Presets:
         ``nbtool.plan.inputs.MODEL_PRESETS`` and ``HARDWARE_PRESETS``;
         measured ``%commbench`` bandwidth is used when present.
         """
@@ -508,9 +511,9 @@ class NbtoolMagics(Magics):
         if args.vs_last or "--vs" in names:
             # a recorded run is predicted from what its ranks recorded: the ranking's inputs do not apply
             ignored = [opt for opt, given in (("--model", args.model is not None), ("--hardware", args.hardware),
-                                              ("--devices", args.devices), ("--micro-batch", args.micro_batch != 1),
-                                              ("--seq", args.seq), ("--precision", args.precision != "bf16"),
-                                              ("--checkpointing", args.checkpointing != "none")) if given]
+                                              ("--devices", args.devices), ("--micro-batch", args.micro_batch),
+                                              ("--seq", args.seq), ("--precision", args.precision),
+                                              ("--checkpointing", args.checkpointing)) if given]
             if ignored:
                 raise UsageError(f"{ignored[0]} applies to the ranking, not to --vs/--vs-last: a recorded run is "
                                  "predicted from the model, batch and options its ranks recorded")

@@ -325,6 +325,38 @@ def test_dist_plan_calibrates_on_the_latest_run(ip, cluster, capsys):
     assert not note or int(note.group(1)) < int(note.group(2)), out
 
 
+def test_dist_plan_without_model_plans_the_last_runs_model_as_it_trained(ip, cluster, capsys):
+    """After a run, %dist_plan with no --model ranks the model that run trained (its parameter count,
+    micro-batch, sequence and precision), not a preset; what is given still wins, --model too."""
+    from nbtool.plan.inputs import ModelShape
+
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell("%%distributed ddp --quiet --no-watch\n_led = _one_step(strategy, steps=2)").raise_error()
+    capsys.readouterr()
+    ip.run_line_magic("dist_plan", "--text")
+    out = capsys.readouterr().out
+    params = ModelShape.from_module(TinyTransformer()).params
+    assert "planning the model run 'ddp' trained" in out, out
+    header = next(line for line in out.splitlines() if line.startswith("the model of run 'ddp': "))
+    from nbtool.actions.plan import _count_text
+
+    assert f": {_count_text(params)} parameters on 2 x " in header and "; fp32, micro-batch 2," in header, header
+    ip.run_line_magic("dist_plan", "--text --micro-batch 8 --precision bf16")
+    assert "; bf16, micro-batch 8," in capsys.readouterr().out
+    # the picker offers it by name, with the same ranking
+    from nbtool.actions.plan import last_run_model
+    from nbtool.widgets.picker import Picker
+
+    magics = ip.magics_manager.registry["NbtoolMagics"]
+    _, shape, _ = last_run_model(magics.session)
+    p = Picker(shape=shape)
+    assert p.model.value == "the model of run 'ddp'" and p.model_shape().params == params
+    assert "DDP" in list(p.fig.data[0].x)
+    ip.run_line_magic("dist_plan", "--text --model 1e8")
+    out = capsys.readouterr().out
+    assert "planning the model run" not in out and "100M params: 100M parameters" in out, out
+
+
 def test_picker_updates_and_apply_round_trips(ip, cluster, tmp_path):
     from nbtool.magics import parse_strategy_line
     from nbtool.widgets.picker import Picker
@@ -835,7 +867,28 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     own = calibrate(runs["zero3"]).host_speed
     assert f"implies a host x{own:.2f} the CPU reference's, where the calibration had x{3 * hw.host_speed:.2f}" in note
     assert own / (3 * hw.host_speed) < 1 / 1.5 and "run both cells again" in note, note
+    assert "outside what those ratios were fitted on" not in note  # the tutorial shape is inside the fit
     assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
+
+
+def test_a_tiny_models_miss_names_the_range_the_cost_model_was_fitted_on(ip, cluster):
+    """A model far smaller than the runs nbtool.plan.cpu_costs was fitted on (its step mostly per-tensor
+    host work at sizes the fit did not see): the note beside a compute miss says so, with the range."""
+    from nbtool.plan import cpu_costs
+    from nbtool.plan.versus import calibrate, versus
+    import nbtool
+
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    runs = {}
+    for line in ("ddp", "zero3"):
+        ip.run_cell(f"%%distributed {line} --quiet --no-watch\n_led = _one_step(strategy, steps=4)").raise_error()
+        runs[line] = nbtool.last_run()
+    hw = calibrate(runs["ddp"])
+    v = versus(runs["zero3"], replace(hw, host_speed=3 * hw.host_speed), "run 'ddp'")
+    (note,) = [n for n in v.notes if "implies a host" in n]
+    lo, hi = cpu_costs.FITTED_GFLOP
+    assert "this model's run is outside what those ratios were fitted on: GFLOP " in note, note
+    assert f"per rank per step (fitted on {lo:g}-{hi:g})" in note and "if it stays off, it is the model" in note
 
 
 def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, cluster, capsys):

@@ -8,33 +8,67 @@ from IPython.core.error import UsageError
 from .state import Session
 
 
+DEFAULT_MODEL = "GPT-2 small (124M)"  # planned when no --model is given and this kernel recorded no run
+
+
 @dataclass(frozen=True)
 class PlanRequest:
-    """What %dist_plan was asked, with presets already resolved by the magic (see ``request``)."""
+    """What %dist_plan was asked, with presets already resolved by the magic (see ``request``). Training
+    fields left None were not given: the last run's when its model is planned, else Training's defaults."""
 
-    model_name: str = "GPT-2 small (124M)"  # a MODEL_PRESETS name (used when shape is None)
+    model_name: str | None = None  # a MODEL_PRESETS name (used when shape is None); None: --model not given
     shape: object = None  # a ModelShape from a parameter count
     hardware: object = None  # a Hardware preset; None: this cluster's, detected, if one runs
     devices: int | None = None
-    training: object = None  # a Training
+    micro_batch: int | None = None
+    seq: int | None = None
+    precision: str | None = None
+    checkpointing: str | None = None
     text: bool = False  # the ranking as text instead of the picker
     calibrate_on: str | None = None  # a recorded run's name: its calibration instead of the latest run's
+
+    def training(self, base=None):
+        """The Training planned: what was given, the rest from ``base`` (the last run's) or the defaults."""
+        from dataclasses import replace
+
+        from ..plan.inputs import Training
+
+        given = {k: v for k in ("micro_batch", "seq", "precision", "checkpointing")
+                 if (v := getattr(self, k)) is not None}
+        return replace(base or Training(), **given)
 
 
 def request(args, user_ns: dict | None = None) -> PlanRequest:
     """The typed request of a parsed %dist_plan line: presets by forgiving names, counts like 7e9 or 1.3b,
     a kernel variable holding a module or a Hugging Face config, or a config JSON file."""
-    from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Training
+    from ..plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS
 
     hw = HARDWARE_PRESETS[_preset(args.hardware, HARDWARE_PRESETS, "--hardware")] if args.hardware else None
-    model_name, shape = "GPT-2 small (124M)", None
+    model_name, shape = None, None
     if args.model is not None:
         shape = model_shape(args.model, user_ns or {}, args.seq)
         if shape is None:
             model_name = _preset(args.model, MODEL_PRESETS, "--model", hint=MODEL_FORMS)
-    training = Training(micro_batch=args.micro_batch, seq=args.seq, precision=args.precision,
-                        checkpointing=args.checkpointing)
-    return PlanRequest(model_name, shape, hw, args.devices, training, args.text, args.calibrate_on)
+    return PlanRequest(model_name, shape, hw, args.devices, args.micro_batch, args.seq, args.precision,
+                       args.checkpointing, args.text, args.calibrate_on)
+
+
+def last_run_model(state: Session):
+    """(run, ModelShape, Training) of the latest recorded run that prepared a model, or None: what
+    %dist_plan plans when no --model is given, as that run trained it (micro-batch, sequence, precision,
+    optimizer, checkpointing), so the ranking is of the user's own model rather than a preset."""
+    from dataclasses import replace
+
+    from ..plan.versus import planner_inputs
+
+    run = state.last
+    if run is None or state.runs.get(run.name) is not run or not run.description.param_numels:
+        return None
+    _, shape, training, _, pp = planner_inputs(run)
+    samples = (run.description.batch or {}).get("samples") or 1
+    # a pipeline run's micro-batches and gradient accumulation belong to its layout, not to the model
+    training = replace(training, micro_batch=samples, grad_accum=1) if pp > 1 else training
+    return run, replace(shape, name=f"the model of run {run.name!r}"), training
 
 
 MODEL_FORMS = ("or a parameter count (7e9, 1.3b, 722k), a variable holding a model or a Hugging Face config, "
@@ -143,13 +177,20 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
                              + " (device memory from the ranks' own report; host link: preset)")
             if req.text:
                 print(measured_text)
-    shape, training = req.shape, req.training
+    shape, training = req.shape, req.training()
+    if shape is None and req.model_name is None:
+        latest = last_run_model(state)
+        if latest is not None:
+            run, shape, base = latest
+            training = req.training(base)
+            print(f"planning the model run {run.name!r} trained, with its micro-batch, sequence and precision "
+                  "where not given (--model for another)")
     if in_kernel and not req.text:
         from ..widgets.picker import Picker
 
         counted = shape is not None and shape.layers is not None  # a module or config: offered by its name
-        picker = Picker(hardware=hw, model=req.model_name if shape is None else "custom", shell=shell,
-                        shape=shape if counted else None, measured=measured_text)
+        model = (req.model_name or DEFAULT_MODEL) if shape is None else "custom"
+        picker = Picker(hardware=hw, model=model, shell=shell, shape=shape if counted else None, measured=measured_text)
         with picker.quiet():  # one chart update after all inputs are set
             if shape is not None and not counted:
                 picker.custom_params.value = shape.params / 1e9
@@ -165,7 +206,7 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     hw = hw or HARDWARE_PRESETS["8x A100-80GB NVLink"]
     if req.devices:
         hw = hw.with_devices(req.devices)
-    shape = shape or MODEL_PRESETS[req.model_name]
+    shape = shape or MODEL_PRESETS[req.model_name or DEFAULT_MODEL]
     rec = recommend(shape, training, hw)
     tag = ", partly measured: the line above" if hw.measured else ""
     from ..plan.inputs import format_gb

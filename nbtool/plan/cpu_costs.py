@@ -59,6 +59,20 @@ from __future__ import annotations
 
 from .layouts import Layout
 
+# the runs' range the constants were fitted on (the docstring's): GFLOP and parameter tensors per rank per step
+FITTED_GFLOP = (0.3, 5.8)
+FITTED_TENSORS = (19, 198)
+
+
+def outside_fit(gflop: float, tensors: float) -> str:
+    """Where a run's GFLOP and parameter tensors per rank per step fall outside what the constants were
+    fitted on, that sentence (the ratios between strategies are rougher there); else ""."""
+    out = [f"{what} {x:.2g} per rank per step (fitted on {lo:g}-{hi:g})"
+           for what, x, (lo, hi) in (("GFLOP", gflop, FITTED_GFLOP), ("parameter tensors", tensors, FITTED_TENSORS))
+           if not lo <= x <= hi]
+    return " and ".join(out)
+
+
 # how well the ratios between strategies below held: each set's median runs predicted from its fsdp run
 # by the fit on the other sets (the docstring's 8.0%)
 RATIOS_CHECKED = "178 of 189 runs within 25%"

@@ -25,6 +25,15 @@ def format_gb(x: float) -> str:
             return f"{x / size:.1f} {unit}"
 
 
+def format_ms(seconds: float) -> str:
+    """The planner's times in ms: whole from 10 ms, one decimal from 1 ms, two significant figures below
+    (a tiny model's step on a GPU is 0.031 ms, not 0)."""
+    ms = seconds * 1e3
+    if ms >= 10 or ms == 0:
+        return f"{ms:.0f}"
+    return f"{ms:.1f}" if ms >= 1 else f"{ms:.2g}"
+
+
 # attention modules' head counts (ours, torch's MultiheadAttention, GPT-2's, nanoGPT's); a model with a
 # config (Hugging Face's Llama family keeps none on its modules) says it there
 _HEAD_ATTRS = ("heads", "num_heads", "n_head")

@@ -7,6 +7,7 @@ from .estimate import RESERVE, Estimate, estimate
 from .layouts import DP_LAYOUTS, PP, PREFERENCE, TP, TP_PP, Layout
 from .inputs import Hardware, ModelShape, Training
 from .inputs import format_gb as _gb
+from .inputs import format_ms as _ms
 
 TIE = 0.10  # step-time estimates within 10% of the best count as a tie: the simpler layout wins
 
@@ -72,9 +73,9 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
                  f"per device: {_split(e)})"]
         if ddp is not None and e is not ddp and ddp.comm_bus_bytes:
             parts.append(f"communication x{e.comm_bus_bytes / ddp.comm_bus_bytes:.2f} DDP's")
-        parts.append(f"est. {e.time_per_sample * 1e3:.1f} ms per sample; step {e.step_s * 1e3:.0f} ms (compute {e.compute_s * 1e3:.0f}, exposed comm "
-                     f"{e.exposed_comm_s * 1e3:.0f}" + (f", bubble {e.bubble_s * 1e3:.0f}" if e.bubble_s else "")
-                     + (f", offload {e.offload_s * 1e3:.0f}" if e.offload_s else "") + ")")
+        parts.append(f"est. {_ms(e.time_per_sample)} ms per sample; step {_ms(e.step_s)} ms (compute {_ms(e.compute_s)}, "
+                     f"exposed comm {_ms(e.exposed_comm_s)}" + (f", bubble {_ms(e.bubble_s)}" if e.bubble_s else "")
+                     + (f", offload {_ms(e.offload_s)}" if e.offload_s else "") + ")")
         if e.host:
             parts.append(f"host {_gb(e.host)} of {_gb(e.host_capacity)} per node")
         rec.reasons[id(e)] = "; ".join(parts + e.notes)

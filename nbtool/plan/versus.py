@@ -582,11 +582,18 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> lis
     quoted = lambda name: f'"{name}"' if " " in name else name
     again = (f" (or run the {calibrated_on!r} cell again, then %dist_plan --vs {quoted(run.name)} --calibrate-on "
              f"{quoted(calibrated_on)})" if calibrated_on and calibrated_on != run.name else "")
-    return [f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
+    head = (f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
-            f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs), so the machine may have run at another "
-            "speed in one of the two runs; run both cells again: a machine's slow spell moves one of them, a model "
-            f"that is off stays off{again}"]
+            f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs)")
+    _, shape, training, tp, pp = planner_inputs(run)
+    tokens = training.micro_batch * sequence(shape, training)[0] * training.grad_accum
+    outside = cpu_costs.outside_fit(6 * shape.params * tokens / (tp * pp) / 1e9, len(shape.numels) / pp)
+    if outside:  # a tiny model's step: its ratios between strategies are not what the fit saw (a slow
+        # spell may add to it; only a rerun tells)
+        return [f"{head}; this model's run is outside what those ratios were fitted on: {outside}, where they "
+                f"are rougher (run both cells again: if it stays off, it is the model){again}"]
+    return [f"{head}, so the machine may have run at another speed in one of the two runs; run both cells again: "
+            f"a machine's slow spell moves one of them, a model that is off stays off{again}"]
 
 
 def _op_rows(run, e: Estimate, hw: Hardware) -> list:
