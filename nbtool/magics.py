@@ -107,7 +107,8 @@ RUN_OPTIONS = (
              help="do not record collectives, memory and steps for this cell"),
     argument("--no-watch", dest="watch", action="store_false", default=True,
              help="record, but show no live dashboard under the cell"),
-    argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word)"),
+    argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word; "
+                                          "a line nbtool suggested, run as written: the line)"),
 )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 from collections import Counter
 import json
 import math
+import re
 
 import pytest
 from IPython.core.error import UsageError
@@ -475,6 +476,7 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert advice, (line, magics.session.advice)
         s = advice[0]
         assert s.predicted < s.before
+        assert re.search(r"memory [+-][0-9]", s.effect) or "memory" not in s.effect, s.effect  # one sign
         capsys.readouterr()
         ranks.run_cell(f"%%distributed {s.line}\n_ledger = _fit(strategy, 4)").raise_error()
         out = capsys.readouterr().out
@@ -485,6 +487,11 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert abs(after - s.predicted) <= 0.02 * s.before, (s.line, s.predicted, after)
         assert f"advice followed (from run '{line.split()[0]}')" in out and "(as predicted)" in out, out
         assert "predicted vs measured, run" in out
+        # the step time it also predicted, beside what it measured; the run is named by its line, so the
+        # run it was suggested from stays recorded for %dist_compare, which the next line gives
+        assert re.search(r"; step time [0-9.]+ ms -> measured [0-9.]+ ms, predicted (unchanged|[0-9.]+ ms)", out), out
+        assert nbtool.last_run().name == s.line and nbtool.last_run(s.base_run).name == s.base_run
+        assert f'side by side: %dist_compare {s.base_run} "{s.line}"' in out, out
 
 
 

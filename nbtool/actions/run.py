@@ -47,7 +47,8 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
                 f.write(text)
         except OSError as e:
             raise UsageError(f"--export-config {export_config!r}: {e.strerror}") from None
-    run = RunRecords(name=name or spec.name, strategy=spec.name, world_size=cluster.world_size, t_start=time.time())
+    run = RunRecords(name=name or run_name(state, spec), strategy=spec.name, world_size=cluster.world_size,
+                     t_start=time.time())
     dash = None
     if metrics and watch and in_kernel and not quiet:
         from ..widgets import Dashboard
@@ -101,6 +102,17 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
 
         after_run(state, run, show=watch and not quiet)
     return run if metrics else None
+
+
+def run_name(state: Session, spec) -> str:
+    """A run's default name: the strategy word; a suggested line run as written is named by the line,
+    so the run it was suggested from stays recorded beside it (for %dist_compare)."""
+    from ..spec import line_of
+
+    line = line_of(spec)
+    if any(s.line == line and s.base_run == spec.name for s in state.advice):
+        return line
+    return spec.name
 
 
 def _show_timelines(run, in_kernel: bool) -> None:

@@ -34,6 +34,9 @@ class Suggestion:
     predicted: float  # the planner's figure after the change
     effect: str  # the predicted effect, for people
     base_run: str
+    # the step time: the base run's (wall, median of steps 2..N) and the planner's change to it
+    step_before: float | None = None
+    step_change: float | None = None
 
     def text(self, i: int) -> str:
         return f"advice {i}: %%distributed {self.line}\n    {self.why}; predicted: {self.effect}"
@@ -89,7 +92,8 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             f"every unit is all-gathered twice per step ({format_bytes(before)} bus bytes measured)",
             "bus bytes / step", before, after,
             f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
-            f"memory +{format_bytes(extra)} (units stay gathered from forward to backward), "
+            f"memory {'+' if extra >= 0 else '-'}{format_bytes(abs(extra))} (units stay gathered from forward to "
+            "backward), "
             f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
     cuda = not ran_on_cpu(run)
     exposed = summary["exposed_s_per_step"] or 0.0
@@ -142,8 +146,10 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     # only what the planner predicts to shorten the step (more micro-batches can cost more in sends
     # than they save in bubble: on CPU ranks each send pays ~0.3 ms); then what saves memory at no time
     out = sorted((x for x in out if x[0] > 0), key=lambda x: -x[0])
-    faster = [s for _, s in out[:MAX_SUGGESTIONS]]
-    return faster + _memory(run, spec, shape, training, e, hw)[:MAX_SUGGESTIONS - len(faster)]
+    step = typical_step(run) or None
+    faster = [replace(s, step_before=step, step_change=-saved) for saved, s in out[:MAX_SUGGESTIONS]]
+    return faster + [replace(s, step_before=step) for s in
+                     _memory(run, spec, shape, training, e, hw)[:MAX_SUGGESTIONS - len(faster)]]
 
 
 def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
@@ -172,7 +178,7 @@ def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
         "peak tensor memory", before, before - saved,
         f"peak tensor memory {format_bytes(before)} -> {format_bytes(before - saved)} (-{format_bytes(saved)}), "
         f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms (as many reductions: every gradient fits one bucket)",
-        run.name)]
+        run.name, step_change=e2.step_s - e.step_s)]
 
 
 # how each figure a suggestion moves is written (others: one decimal)
@@ -185,9 +191,24 @@ def followed(run, suggestion: Suggestion) -> str:
     after = measure(run, suggestion.figure)
     fmt = _FORMATS.get(suggestion.figure, lambda v: f"{v:.1f}")
     moved = verdict(suggestion.before, after, suggestion.predicted)
-    return (f"advice followed (from run {suggestion.base_run!r}): {suggestion.figure} "
+    text = (f"advice followed (from run {suggestion.base_run!r}): {suggestion.figure} "
             f"{fmt(suggestion.before)} -> measured {fmt(after) if after is not None else '-'}, "
             f"predicted {fmt(suggestion.predicted)} ({moved})")
+    if suggestion.figure != "step time" and suggestion.step_before and suggestion.step_change is not None:
+        # the step time the suggestion also predicted (wall time, median of steps 2..N, as the table's row)
+        before, step = suggestion.step_before, typical_step(run) or None
+        ms = _FORMATS["step time"]
+        if abs(suggestion.step_change) < 0.02 * before:  # predicted unchanged: how far it moved, no verdict
+            text += (f"; step time {ms(before)} -> measured {ms(step) if step else '-'}, predicted unchanged"
+                     + (f" ({(step - before) / before:+.0%})" if step else ""))
+        else:
+            predicted = before + suggestion.step_change
+            text += (f"; step time {ms(before)} -> measured {ms(step) if step else '-'}, predicted "
+                     f"{ms(predicted)} ({verdict(before, step, predicted)})")
+    if run.name != suggestion.base_run:
+        quoted = lambda name: f'"{name}"' if " " in name else name
+        text += f"\nside by side: %dist_compare {quoted(suggestion.base_run)} {quoted(run.name)}"
+    return text
 
 
 def verdict(before: float, after: float | None, predicted: float) -> str:

@@ -591,7 +591,7 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> lis
     if outside:  # a tiny model's step: its ratios between strategies are not what the fit saw (a slow
         # spell may add to it; only a rerun tells)
         return [f"{head}; this model's run is outside what those ratios were fitted on: {outside}, where they "
-                f"are rougher (run both cells again: if it stays off, it is the model){again}"]
+                f"are rougher; run both cells again: if it stays off, it is the model{again}"]
     return [f"{head}, so the machine may have run at another speed in one of the two runs; run both cells again: "
             f"a machine's slow spell moves one of them, a model that is off stays off{again}"]
 
