@@ -509,7 +509,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.bubble_s = e.compute_s * bubble / (1 - bubble)
             formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
             e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} of the step with m={micro} micro-batches "
-                           "(raise --grad-accum to shrink it)")
+                           "(more micro-batches shrink it: --microbatches M)")
         exposed = e.comm_s
         dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
