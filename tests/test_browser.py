@@ -227,7 +227,7 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
     picker's note where the CPU ranks emulate bf16."""
     lab = page
     lab.write("timeline.ipynb", notebook(SETUP, DATA, TIMELINE, GPU_PANEL, CLUSTER_PLAN,
-                                         CLUSTER_PLAN.replace("%dist_plan", "%dist_plan --text")))
+                                         CLUSTER_PLAN.replace("%dist_plan", "%dist_plan --text"), "%dist_plan"))
     lab.open("timeline.ipynb")
     lab.run_and_wait(0, 120)
     lab.run_and_wait(1, 60)
@@ -284,6 +284,11 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
     assert measured and "from run 'ddp'" in measured[0] and page_measured() == measured[0], (measured, page_measured())
     lab.set_select(4, "hardware", "8x A100-40GB NVLink")
     lab.wait(lambda: page_measured() is None, 10, "the measured line stayed with a preset's hardware")
+    # no --model: the picker offers the model the last run trained, and charts it
+    lab.run_and_wait(6, 60)
+    lab.wait(lambda: lab.plots(6) and sum(lab.plots(6)[0]) > 0, 20, "the last run's model got no bars")
+    assert lab.selected(6, "model") == "the model of run 'ddp'", lab.selected(6, "model")
+    assert "planning the model run 'ddp' trained" in lab.output_text(6), lab.output_text(6)
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
     for s in lab.api("sessions"):  # its cluster goes with its kernel
