@@ -871,6 +871,26 @@ def test_cpu_ranks_predict_another_strategys_host_cost_from_one_run(ip, cluster)
     assert not any("implies a host" in n for n in versus(runs["zero3"], calibrate(runs["zero3"]), "itself").notes)
 
 
+def test_collectives_of_close_sizes_keep_the_presets_bandwidth(ip, cluster):
+    """An FSDP run without resharding blocks on its units' all-gathers and reduce-scatters, whose sizes
+    lie close together: fitted freely they had put B at 15,900 GB/s. On CPU ranks the link keeps the
+    preset's B, with the latency that puts it through the run's times, and says so."""
+    import nbtool
+    from nbtool.plan.inputs import HARDWARE_PRESETS
+    from nbtool.plan.versus import LINK_FIT_SPAN, calibrate, link_seconds
+
+    ip.run_cell(LEDGER_SETUP).raise_error()
+    ip.run_cell("%%distributed fsdp --no-reshard-after-forward --quiet --no-watch\n"
+                "_led = _one_step(strategy, steps=4)").raise_error()
+    run = nbtool.last_run()
+    sizes = sorted(link_seconds(run, blocking_only=True))
+    assert len(sizes) >= 2 and sizes[-1] < LINK_FIT_SPAN * sizes[0], sizes
+    hw = calibrate(run)
+    assert hw.intra_bw == HARDWARE_PRESETS["2 CPU ranks (gloo)"].intra_bw and hw.intra_latency > 0, hw
+    assert f"through the CPU preset's B 1.20 GB/s: the run blocked on {len(sizes)} sizes" in hw.name, hw.name
+    assert "too close to fit B" in hw.name
+
+
 def test_a_tiny_models_miss_names_the_range_the_cost_model_was_fitted_on(ip, cluster):
     """A model far smaller than the runs nbtool.plan.cpu_costs was fitted on (its step mostly per-tensor
     host work at sizes the fit did not see): the note beside a compute miss says so, with the range."""

@@ -310,6 +310,8 @@ def link_seconds(run, rank: int = 0, blocking_only: bool = False, by_op: bool = 
 
 # the ops whose own link a run can fit (send/recv and broadcast take the generic link)
 OWN_LINK_OPS = ("all_reduce", "all_gather", "reduce_scatter")
+# how far apart a run's smallest and largest collective must be for a fit to tell latency from bandwidth
+LINK_FIT_SPAN = 4
 
 
 def op_links(run, blocking_only: bool) -> dict:
@@ -329,7 +331,7 @@ def op_links(run, blocking_only: bool) -> dict:
     out = {}
     for op, points in per_op.items():
         sizes = sorted(points)
-        if len(sizes) >= 3 and sizes[-1] >= 4 * sizes[0]:
+        if len(sizes) >= 3 and sizes[-1] >= LINK_FIT_SPAN * sizes[0]:
             fit = fit_alpha_beta("broadcast", run.world_size, sizes, [points[s] for s in sizes])  # bus bytes
             if fit.alpha_s >= 0 and 0 < fit.bus_bandwidth < float("inf"):
                 out[op] = (fit.alpha_s, fit.bus_bandwidth)
@@ -354,7 +356,9 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
     the link alone (``link_seconds``; the slope between the smallest and
     largest size where the fit comes out negative); on CPU ranks only the collectives the thread
     blocked on, and where fewer than 2 sizes remain (DDP: all async) the CPU preset's link, named as
-    such. Each of all_reduce, all_gather and reduce_scatter the run timed also gets its own link
+    such; sizes less than LINK_FIT_SPAN apart cannot tell latency from bandwidth: on CPU ranks the
+    preset's B with the latency that fits the run's times, elsewhere the fit, named as barely
+    constrained. Each of all_reduce, all_gather and reduce_scatter the run timed also gets its own link
     (``op_links``); the others keep the base's (on CPU ranks, the in-training table of
     nbtool.plan.cpu_costs.COLLECTIVES). Compute: peak_flops such that the planner's compute
     term (6 Psi tokens / (peak x utilisation)) equals the run's measured time
@@ -373,16 +377,27 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
     hw = base or Hardware("this machine", 1, run.world_size, 0.0, 0.0, 1e9, 1e9)
     what = []  # the figures this run measured, named in hw.name
     by_size = link_seconds(run, blocking_only=cpu)
-    if len(by_size) >= 2:  # one median per size: a few slow calls (a straggler, a page fault) do not steer it
-        sizes = sorted(by_size)
-        times = [statistics.median(by_size[k]) for k in sizes]
+    sizes = sorted(by_size)
+    times = [statistics.median(by_size[k]) for k in sizes]  # one median per size: a few slow calls (a
+    # straggler, a page fault) do not steer it
+    span = f"{len(sizes)} sizes {sizes[-1] / sizes[0]:.1f}x apart" if sizes else ""
+    if len(sizes) >= 2 and cpu and sizes[-1] < LINK_FIT_SPAN * sizes[0]:
+        # sizes this close cannot tell latency from bandwidth (an FSDP run's 2 sizes 1.3x apart fitted B at
+        # 15,900 GB/s): the CPU preset's B, and the latency that puts its line through the run's times
+        bw = hw.intra_bw
+        alpha = max(0.0, statistics.median(t - s / bw for s, t in zip(sizes, times)))
+        hw = replace(hw, intra_latency=alpha, inter_latency=alpha, measured=True)
+        what.append(f"link (alpha {alpha * 1e6:.0f} us, through the CPU preset's B {bw / 1e9:.2f} GB/s: the run "
+                    f"blocked on {span}, too close to fit B)")
+    elif len(sizes) >= 2:
         fit = fit_alpha_beta("broadcast", run.world_size, sizes, times)  # bus bytes: factor 1
         alpha, bw = fit.alpha_s, fit.bus_bandwidth
         if not (0 < bw < float("inf")) or alpha < 0:  # noisy in-flight times: the two ends' slope instead
             alpha = max(0.0, times[0] - sizes[0] * (times[-1] - times[0]) / (sizes[-1] - sizes[0]))
             bw = (sizes[-1] - sizes[0]) / max(times[-1] - times[0], 1e-9)
         hw = replace(hw, intra_latency=alpha, inter_latency=alpha, intra_bw=bw, inter_bw=bw, measured=True)
-        what.append(f"link (alpha {alpha * 1e6:.0f} us, B {bw / 1e9:.2f} GB/s)")
+        narrow = f"; from {span}: B barely constrained" if sizes[-1] < LINK_FIT_SPAN * sizes[0] else ""
+        what.append(f"link (alpha {alpha * 1e6:.0f} us, B {bw / 1e9:.2f} GB/s{narrow})")
     elif cpu:
         what.append(f"link: the CPU preset's (alpha {hw.intra_latency * 1e6:.0f} us, B {hw.intra_bw / 1e9:.2f} GB/s; "
                     "the run blocked on fewer than 2 sizes of collective)")
