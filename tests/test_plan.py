@@ -926,18 +926,24 @@ def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, clus
     # each in a session of its own: the kernel shares the CPU between sessions (autogroup), so busy
     # processes in the test's session left the engines' share whole (and, keeping the vCPUs awake, made
     # the ddp run 10-30% faster); four sessions of their own made it 2.8x slower
-    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True) for _ in range(6)]
-    try:
-        slow = _tutorial_runs(ip, ("ddp",))["ddp"]
-    finally:
-        for h in hogs:
-            h.kill()
-            h.wait(timeout=10)
-    zero3 = _tutorial_runs(ip, ("zero3",))["zero3"]
-    hw = calibrate(slow)
-    v = versus(zero3, hw, "run 'ddp'")
-    step = v.row("step time")
-    assert step.within is False and step.note.startswith("off mostly in compute: +"), v.text()
+    # how much slower 6 of them make it varies by host (a CI run's zero3 came out only +24.3%, its compute
+    # +61.7%): a spell too mild to put the step beyond the tolerance is made again, harder (at most 3 tries)
+    for n_hogs in (6, 10, 14):
+        hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"], start_new_session=True)
+                for _ in range(n_hogs)]
+        try:
+            slow = _tutorial_runs(ip, ("ddp",))["ddp"]
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait(timeout=10)
+        zero3 = _tutorial_runs(ip, ("zero3",))["zero3"]
+        hw = calibrate(slow)
+        v = versus(zero3, hw, "run 'ddp'")
+        step = v.row("step time")
+        if step.within is False:
+            break
+    assert step.within is False and step.note.startswith("off mostly in compute: +"), (n_hogs, v.text())
     (note,) = [n for n in v.notes if "implies a host" in n]
     own = calibrate(zero3).host_speed
     assert own / hw.host_speed < 1 / 1.5 and f"where the calibration had x{hw.host_speed:.2f}" in note, note
