@@ -15,7 +15,7 @@ from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import bucket_element_bytes, line_of
 from .estimate import DDP_INFLIGHT, REDUCE_BUCKET, estimate
-from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, ran_on_cpu, reduce_bucket_bytes,
+from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, quoted, ran_on_cpu, reduce_bucket_bytes,
                      run_estimate, spec_of, typical_step, zero_config)
 
 MAX_SUGGESTIONS = 3
@@ -92,8 +92,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             f"every unit is all-gathered twice per step ({format_bytes(before)} bus bytes measured)",
             "bus bytes / step", before, after,
             f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
-            f"memory {'+' if extra >= 0 else '-'}{format_bytes(abs(extra))} (units stay gathered from forward to "
-            "backward), "
+            f"memory {_signed_bytes(extra)} (units stay gathered from forward to backward), "
             f"step time {(e2.step_s - e.step_s) * 1e3:+.1f} ms", run.name)))
     cuda = not ran_on_cpu(run)
     exposed = summary["exposed_s_per_step"] or 0.0
@@ -141,8 +140,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
                 line_of(replace(spec, precision="fp32")),
                 emulated, "step time", before, after,
                 f"step time {before * 1e3:.0f} -> {after * 1e3:.0f} ms (x{e2.step_s / e.step_s:.2f}), memory "
-                f"{'+' if e2.device_total >= e.device_total else '-'}"
-                f"{format_bytes(abs(e2.device_total - e.device_total))}", run.name)))
+                f"{_signed_bytes(e2.device_total - e.device_total)}", run.name)))
     # only what the planner predicts to shorten the step (more micro-batches can cost more in sends
     # than they save in bubble: on CPU ranks each send pays ~0.3 ms); then what saves memory at no time
     out = sorted((x for x in out if x[0] > 0), key=lambda x: -x[0])
@@ -150,6 +148,11 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     faster = [replace(s, step_before=step, step_change=-saved) for saved, s in out[:MAX_SUGGESTIONS]]
     return faster + [replace(s, step_before=step) for s in
                      _memory(run, spec, shape, training, e, hw)[:MAX_SUGGESTIONS - len(faster)]]
+
+
+def _signed_bytes(n: float) -> str:
+    """+1.5 MiB / -26.2 KiB: a predicted change of memory, one sign."""
+    return f"{'+' if n >= 0 else '-'}{format_bytes(abs(n))}"
 
 
 def _memory(run, spec, shape, training, e, hw) -> list[Suggestion]:
@@ -206,7 +209,6 @@ def followed(run, suggestion: Suggestion) -> str:
             text += (f"; step time {ms(before)} -> measured {ms(step) if step else '-'}, predicted "
                      f"{ms(predicted)} ({verdict(before, step, predicted)})")
     if run.name != suggestion.base_run:
-        quoted = lambda name: f'"{name}"' if " " in name else name
         text += f"\nside by side: %dist_compare {quoted(suggestion.base_run)} {quoted(run.name)}"
     return text
 

@@ -410,7 +410,7 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
         layout, shape, training, tp, pp = planner_inputs(run)
     except ValueError:
         return replace(hw, name=", ".join(what) or "nothing measured")
-    tokens = training.micro_batch * sequence(shape, training)[0] * training.grad_accum
+    tokens = step_tokens(shape, training)
     if compute and tokens:
         mixed = training.precision in ("bf16", "fp16")
         flops = 6 * shape.params * tokens * (4 / 3 if training.checkpointing == "full" else 1) / (tp * pp)
@@ -584,6 +584,16 @@ def _step_note(rows: list) -> tuple[str, str | None]:
                else "")), None
 
 
+def quoted(name: str) -> str:
+    """A run's name as a magic line takes it: quoted where it holds a space."""
+    return f'"{name}"' if " " in name else name
+
+
+def step_tokens(shape: ModelShape, training: Training) -> int:
+    """Tokens per rank per optimizer step: micro-batch x sequence x accumulation."""
+    return training.micro_batch * sequence(shape, training)[0] * training.grad_accum
+
+
 def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> list:
     """CPU ranks, compute off: the host speed this run implies next to the calibration's (``speed``).
     A factor 1.5 between them is beyond what the model's ratios between strategies missed by on the
@@ -594,14 +604,13 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> lis
     own = calibrate(run, host_speed=speed).host_speed  # a bf16 run dominated by its FLOPs keeps ``speed``
     if not own or own == speed or 1 / 1.5 < own / speed < 1.5:
         return []
-    quoted = lambda name: f'"{name}"' if " " in name else name
     again = (f" (or run the {calibrated_on!r} cell again, then %dist_plan --vs {quoted(run.name)} --calibrate-on "
              f"{quoted(calibrated_on)})" if calibrated_on and calibrated_on != run.name else "")
     head = (f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
             f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs)")
     _, shape, training, tp, pp = planner_inputs(run)
-    tokens = training.micro_batch * sequence(shape, training)[0] * training.grad_accum
+    tokens = step_tokens(shape, training)
     outside = cpu_costs.outside_fit(6 * shape.params * tokens / (tp * pp) / 1e9, len(shape.numels) / pp)
     if outside:  # a tiny model's step: its ratios between strategies are not what the fit saw (a slow
         # spell may add to it; only a rerun tells)
