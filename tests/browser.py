@@ -68,6 +68,13 @@ class Lab:
         news = self.root / ".lab-settings" / "@jupyterlab" / "apputils-extension"
         news.mkdir(parents=True, exist_ok=True)  # no "get notified about news?" toast over the cells
         (news / "notification.jupyterlab-settings").write_text('{"fetchNews": "false"}')
+        # no autosave: the tests save when they mean to. An autosave in flight while a test's save starts
+        # made JupyterLab ask "File Changed: overwrite?", and a save marks the page clean even where an
+        # output changed while it was in flight (plotly's renderer storing its PNG), so that change was
+        # never written (CI saved 3 of 5 PNGs)
+        docs = self.root / ".lab-settings" / "@jupyterlab" / "docmanager-extension"
+        docs.mkdir(parents=True, exist_ok=True)
+        (docs / "plugin.jupyterlab-settings").write_text('{"autosave": false}')
         self.server_log = open(self.artifacts / "jupyterlab.log", "w")
         self.server = subprocess.Popen(
             [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={self.port}",
@@ -254,11 +261,18 @@ class Lab:
         errors = [e["message"] for e in self.driver.get_log("browser") if e["level"] == "SEVERE"]
         return errors + [f"rejection: {r}" for r in self.js("return window.__rejections || []")]
 
-    def save(self) -> None:
+    def save(self, name: str | None = None, timeout: float = 30.0) -> None:
+        """Ctrl+S, as a user saves; with ``name``, wait until the server has written that file anew
+        and the page is clean (a save happens even where the page was clean already)."""
         from selenium.webdriver.common.action_chains import ActionChains
         from selenium.webdriver.common.keys import Keys
 
+        before = (self.root / name).stat().st_mtime_ns if name else None
         ActionChains(self.driver).key_down(Keys.CONTROL).send_keys("s").key_up(Keys.CONTROL).perform()
+        if name:
+            self.wait(lambda: (self.root / name).stat().st_mtime_ns != before
+                      and not self.js("return document.querySelector('.jp-mod-dirty') !== null"),
+                      timeout, f"{name} was not saved")
 
     def screenshot(self, what: str) -> None:
         if self.driver is None:
