@@ -173,15 +173,6 @@ def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_sp
     return host_speed * (per_gflop * gflop + host)
 
 
-def host_speed_of(layout: Layout, precision: str, gflop: float, tensors: float, compute_s: float,
-                  bf16_flops: float | None = None, microbatches: int = 1) -> float:
-    """The ``host_speed`` at which ``step_s`` gives the measured ``compute_s``; a bf16 run measured
-    faster than its probed FLOP time alone (noise) scales the whole instead."""
-    fixed = step_s(layout, precision, gflop, tensors, 0.0, bf16_flops, microbatches)  # not scaled by host_speed
-    scaled = step_s(layout, precision, gflop, tensors, 1.0, bf16_flops, microbatches) - fixed
-    return (compute_s - fixed) / scaled if compute_s > fixed else compute_s / (scaled + fixed)
-
-
 def sync_wait_s(layout: Layout, compute_s: float) -> float:
     """Seconds per step the thread waits, beyond the link, for the other rank at collectives inside
     forward and backward (tensor and pipeline parallelism; 0 for the others) on CPU ranks."""

@@ -419,18 +419,23 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
             # faster or slower bf16 computes here: a run in one precision predicts the other
             probe = run.description.matmul_flops
             hw = replace(hw, matmul_flops=tuple(probe) if probe else hw.matmul_flops)
-            args = (as_layout(layout), training.precision, flops / 1e9, len(shape.numels) / pp)
-            micro = training.grad_accum
-            fixed = cpu_costs.step_s(*args, 0.0, hw.bf16_flops, micro)  # bf16's FLOPs at the probed rate
+            # the planner's whole compute term, which is linear in host_speed (cpu_costs' per-tensor work,
+            # and sequence parallelism's per-collective work on top): inverted as a whole, so a run
+            # calibrated on itself predicts its own compute (tp --sp's had come out 44% over)
+            at = lambda speed: run_estimate(run, replace(hw, host_speed=speed)).compute_s
+            fixed = at(0.0)  # bf16's FLOPs at the probed rate
             kept = host_speed or (base.host_speed if base is not None and base.host_speed else 1.0)
-            host = cpu_costs.step_s(*args, kept, hw.bf16_flops, micro) - fixed  # the host's work at that speed
+            host = at(kept) - fixed  # the host's work at that speed
             rated, probed = None, hw.bf16_flops  # rated: bf16's FLOP rate in this run's training, where the
             # run tells that and not the host's speed
             if fixed > compute / 2 and compute > host:
                 rated = flops / (compute - host)
                 hw = replace(hw, host_speed=kept, matmul_flops=(hw.matmul_flops[0], rated))
             else:
-                hw = replace(hw, host_speed=cpu_costs.host_speed_of(*args, compute, hw.bf16_flops, micro))
+                scaled = host / kept  # at host_speed 1; a bf16 run measured faster than its probed FLOP
+                # time alone (noise) scales the whole instead
+                speed = (compute - fixed) / scaled if compute > fixed else compute / (scaled + fixed)
+                hw = replace(hw, host_speed=speed)
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
                     + (" with --memory-timeline's bookkeeping" if with_timeline(run) else "")
                     + (f"; time outside communication x{hw.host_speed:.2f} the CPU reference's" if cpu else "")
