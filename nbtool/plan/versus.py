@@ -20,7 +20,6 @@ from ..spec import StrategySpec, bucket_element_bytes
 from . import cpu_costs
 from .estimate import MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
 from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
-from .layouts import layout as as_layout
 from .model_states import PERSISTENCE_THRESHOLD
 
 # tolerances: exact for the ledger, 2% for bytes per step (a loss all_reduce of a few bytes rides along)
