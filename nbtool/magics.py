@@ -108,7 +108,8 @@ RUN_OPTIONS = (
     argument("--no-watch", dest="watch", action="store_false", default=True,
              help="record, but show no live dashboard under the cell"),
     argument("--name", default=None, help="name this run for %%dist_compare (default: the strategy word; "
-                                          "a line nbtool suggested, run as written: the line)"),
+                                          "the line where a run of another line has the word, or where "
+                                          "nbtool suggested the line)"),
 )
 
 

@@ -215,6 +215,30 @@ def test_a_quoted_name_and_a_cell_without_prepare(ranks, capsys):
     assert capsys.readouterr().out.splitlines()[1].startswith("my run ")
 
 
+def test_a_run_of_other_options_keeps_the_run_before_it(ranks, capsys):
+    """A run is named by its strategy word unless a run of another line holds it: then by its line, so
+    both stay recorded for %dist_compare; a plain word after a line of options takes the word and keeps
+    the run before it under its line, saying so. A run is found by the line it ran under too."""
+    first = record(ranks, "zero1 --reduce-bucket-mb 1")
+    assert first.name == "zero1"
+    capsys.readouterr()
+    ranks.run_line_magic("dist_compare", '"zero1   --reduce-bucket-mb 1" --deterministic')  # its line, any spacing
+    assert capsys.readouterr().out.splitlines()[1].startswith("zero1 "), first
+    other = record(ranks, "zero1 --reduce-bucket-mb 2")
+    assert other.name == "zero1 --reduce-bucket-mb 2" and nbtool.last_run("zero1") is first
+    plain = record(ranks, "zero1")
+    err = capsys.readouterr().err
+    assert plain.name == "zero1" and first.name == "zero1 --reduce-bucket-mb 1", (plain.name, first.name)
+    assert 'the run of `zero1 --reduce-bucket-mb 1` before it is kept as "zero1 --reduce-bucket-mb 1"' in err, err
+    again = record(ranks, "zero1")  # the same line again takes over its name
+    assert nbtool.last_run("zero1") is again and nbtool.last_run("zero1 --reduce-bucket-mb 1") is first
+    ranks.run_line_magic("dist_compare", 'zero1 "zero1 --reduce-bucket-mb 1" "zero1 --reduce-bucket-mb 2" --deterministic')
+    rows = [line.split("  ")[0] for line in capsys.readouterr().out.splitlines()[1:4]]
+    assert rows == ["zero1", "zero1 --reduce-bucket-mb 1", "zero1 --reduce-bucket-mb 2"], rows
+    with pytest.raises(UsageError, match=r"no run named 'zero1 --reduce-bucket-mb 3'; recorded runs: .*'zero1 --reduce-bucket-mb 1'"):
+        ranks.run_line_magic("dist_compare", '"zero1 --reduce-bucket-mb 3"')
+
+
 def test_load_names_fields_this_build_does_not_know(tmp_path):
     run = RunRecords(name="r", strategy="ddp", world_size=1, t_start=0.0)
     run.add([StepMarker(rank=0, step=1, t=1.0), ScalarRecord(rank=0, step=1, t=1.0, values={"loss": 2.0})])
@@ -471,27 +495,32 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
     by a third) and a bigger DDP bucket (fewer all-reduces per step)."""
     magics = ranks.magics_manager.registry["NbtoolMagics"]
     for line, figure in (("fsdp", "bus bytes / step"), ("ddp --bucket-mb 0.05", "collectives / step")):
-        record(ranks, line)
+        base = record(ranks, line).name  # the word, or the line where a run of another line has the word
         advice = [s for s in magics.session.advice if s.figure == figure]
         assert advice, (line, magics.session.advice)
         s = advice[0]
         assert s.predicted < s.before
         assert re.search(r"memory [+-][0-9]", s.effect) or "memory" not in s.effect, s.effect  # one sign
+        # the planner's ratio applied to the measured step (its absolute change had once predicted -4.3 ms)
+        ms, percent = re.search(r"step time ([+-][0-9.]+) ms \(([+-][0-9]+)%\)", s.effect).groups()
+        assert -100 < int(percent) <= 0 and float(ms) == pytest.approx(s.step_change * 1e3, abs=0.051), s
+        assert float(ms) == pytest.approx(int(percent) / 100 * s.step_before * 1e3, abs=0.006 * s.step_before * 1e3), s
         capsys.readouterr()
         ranks.run_cell(f"%%distributed {s.line}\n_ledger = _fit(strategy, 4)").raise_error()
         out = capsys.readouterr().out
         from nbtool.plan.advice import measure
+        from nbtool.plan.versus import quoted
 
         after = measure(nbtool.last_run(), figure)
         assert after < s.before, (s.line, s.before, after)
         assert abs(after - s.predicted) <= 0.02 * s.before, (s.line, s.predicted, after)
-        assert f"advice followed (from run '{line.split()[0]}')" in out and "(as predicted)" in out, out
+        assert f"advice followed (from run {base!r})" in out and "(as predicted)" in out, out
         assert "predicted vs measured, run" in out
         # the step time it also predicted, beside what it measured; the run is named by its line, so the
         # run it was suggested from stays recorded for %dist_compare, which the next line gives
         assert re.search(r"; step time [0-9.]+ ms -> measured [0-9.]+ ms, predicted (unchanged|[0-9.]+ ms)", out), out
         assert nbtool.last_run().name == s.line and nbtool.last_run(s.base_run).name == s.base_run
-        assert f'side by side: %dist_compare {s.base_run} "{s.line}"' in out, out
+        assert f'side by side: %dist_compare {quoted(s.base_run)} "{s.line}"' in out, out
 
 
 
@@ -527,7 +556,7 @@ def test_a_reduce_bucket_that_fits_the_gradients_is_advised_and_frees_what_was_p
     out = capsys.readouterr().out
     after = measure(nbtool.last_run(), "peak tensor memory")
     assert abs(after - s.predicted) <= 0.1 * s.predicted, (s.predicted, after)
-    assert "advice followed (from run 'zero2'): peak tensor memory 1.8" in out and "(as predicted)" in out, out
+    assert f"advice followed (from run {s.base_run!r}): peak tensor memory 1.8" in out and "(as predicted)" in out, out
 
 
 def test_bf16_is_advised_back_to_fp32_where_the_cpu_emulates_it(ranks, capsys):
@@ -559,7 +588,7 @@ for _, (x, y) in zip(range(5), strategy.dataloader(SyntheticTokens(samples=64, s
     out = capsys.readouterr().out
     after = measure(nbtool.last_run(), "step time")
     assert after < s.before, (s, after)
-    assert "advice followed (from run 'fsdp'): step time" in out and "(as predicted)" in out, out
+    assert f"advice followed (from run {run.name!r}): step time" in out and "(as predicted)" in out, out
 
 def test_overlap_comm_is_advised_on_gpus_only_with_the_bucket_it_costs(ranks):
     """On CPU ranks DeepSpeed reduces on the training thread whatever --overlap-comm says (measured: the

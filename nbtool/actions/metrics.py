@@ -47,13 +47,29 @@ def _planner_errors(state: Session, runs: list, deterministic: bool, calibration
     return "\n\n" + error_table(results, deterministic) if results else ""
 
 
+def run_line(run) -> str:
+    """The ``%%distributed`` line (after the magic's name) that ``run`` ran under, as nbtool.spec.line_of
+    writes it."""
+    from ..plan.versus import spec_of
+    from ..spec import line_of
+
+    return line_of(spec_of(run))
+
+
 def stored_runs(state: Session, names: list[str]) -> list:
+    """The recorded runs called ``names`` (all of them where none is given); a name no run has may be
+    the line one ran under (``"tp --sp"``, for the run named ``tp``)."""
     if not state.runs:
         raise UsageError("no recorded runs yet; run a %%distributed STRATEGY cell first")
-    missing = [n for n in names if n not in state.runs]
-    if missing:
-        raise UsageError(f"no run named {missing[0]!r}; recorded runs: {', '.join(map(repr, state.runs))}")
-    return [state.runs[n] for n in names] if names else list(state.runs.values())
+    found = []
+    for name in names:
+        by_line = [r for r in state.runs.values() if run_line(r) == " ".join(name.split())]
+        if name not in state.runs and len(by_line) != 1:
+            listed = ", ".join(repr(n) + (f" ({line})" if (line := run_line(r)) != n else "")
+                               for n, r in state.runs.items())
+            raise UsageError(f"no run named {name!r}; recorded runs: {listed}")
+        found.append(state.runs[name] if name in state.runs else by_line[0])
+    return found if names else list(state.runs.values())
 
 
 def export_run(state: Session, path: str, name: str | None) -> str:

@@ -10,7 +10,7 @@ from .. import protocol
 from ..cluster import RankCluster
 from ..execution import run_cell
 from .common import prepare_cell, progress_line
-from .metrics import show_comparison
+from .metrics import run_line, show_comparison
 from .state import Session
 
 FINISH_TIMEOUT_S = 30.0
@@ -83,6 +83,8 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
                 run.add(part["records"])
             kept = state.runs.get(run.name)
             if ok and (run.description.param_numels or kept is None or not kept.description.param_numels):
+                if kept is not None and name is None and run_line(kept) != run_line(run):
+                    _rename(state, kept, run_line(kept))  # a plain strategy word after a line of options
                 state.runs[run.name] = run  # a failed run is kept for inspection (last_run()), never as a row
             elif ok:  # a cell that never called strategy.prepare does not replace a run that did
                 print(f"nbtool: the run {run.name!r} recorded before is kept for %dist_compare and %dist_plan: "
@@ -104,13 +106,29 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     return run if metrics else None
 
 
+def _rename(state: Session, run, name: str) -> None:
+    """Keep ``run`` under ``name`` (its line) where a plain strategy word's run takes over its name."""
+    from ..plan.versus import quoted
+
+    del state.runs[run.name]
+    print(f"nbtool: this run takes the name {run.name!r}; the run of `{name}` before it is kept as {quoted(name)}",
+          file=sys.stderr)
+    run.name = name
+    state.runs[name] = run
+
+
 def run_name(state: Session, spec) -> str:
-    """A run's default name: the strategy word; a suggested line run as written is named by the line,
-    so the run it was suggested from stays recorded beside it (for %dist_compare)."""
+    """A run's default name: the strategy word, which a cell run again with the same line takes over.
+    Named by its line instead where a run of another line holds the word (``fsdp``, then ``fsdp
+    --precision bf16``: both stay recorded, for %dist_compare side by side), and where it is a line
+    nbtool suggested, run as written (the run it was suggested from stays beside it)."""
     from ..spec import line_of
+    from .metrics import run_line
 
     line = line_of(spec)
-    if any(s.line == line and s.base_run == spec.name for s in state.advice):
+    held = state.runs.get(spec.name)
+    if any(s.line == line and s.base_run == spec.name for s in state.advice) or (
+            held is not None and run_line(held) != line):
         return line
     return spec.name
 
