@@ -224,12 +224,17 @@ def test_a_run_of_other_options_keeps_the_run_before_it(ranks, capsys):
     capsys.readouterr()
     ranks.run_line_magic("dist_compare", '"zero1   --reduce-bucket-mb 1" --deterministic')  # its line, any spacing
     assert capsys.readouterr().out.splitlines()[1].startswith("zero1 "), first
-    other = record(ranks, "zero1 --reduce-bucket-mb 2")
-    assert other.name == "zero1 --reduce-bucket-mb 2" and nbtool.last_run("zero1") is first
     plain = record(ranks, "zero1")
     err = capsys.readouterr().err
     assert plain.name == "zero1" and first.name == "zero1 --reduce-bucket-mb 1", (plain.name, first.name)
     assert 'the run of `zero1 --reduce-bucket-mb 1` before it is kept as "zero1 --reduce-bucket-mb 1"' in err, err
+    # what the session keeps of the run before follows its new name: this run was calibrated on it
+    source = nbtool.predicted_vs_measured().hardware_source
+    assert "calibrated on run 'zero1 --reduce-bucket-mb 1'" in source and "the one before" not in source, source
+    ranks.run_line_magic("dist_plan", '--vs "zero1 --reduce-bucket-mb 1" --deterministic')
+    assert "predicted vs measured, run 'zero1 --reduce-bucket-mb 1'" in capsys.readouterr().out
+    other = record(ranks, "zero1 --reduce-bucket-mb 2")
+    assert other.name == "zero1 --reduce-bucket-mb 2" and nbtool.last_run("zero1") is plain
     again = record(ranks, "zero1")  # the same line again takes over its name
     assert nbtool.last_run("zero1") is again and nbtool.last_run("zero1 --reduce-bucket-mb 1") is first
     ranks.run_line_magic("dist_compare", 'zero1 "zero1 --reduce-bucket-mb 1" "zero1 --reduce-bucket-mb 2" --deterministic')

@@ -107,14 +107,22 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
 
 
 def _rename(state: Session, run, name: str) -> None:
-    """Keep ``run`` under ``name`` (its line) where a plain strategy word's run takes over its name."""
+    """Keep ``run`` under ``name`` (its line) where a plain strategy word's run takes over its name; what
+    the session keeps of it (its prediction, its calibration, the advice it was given) follows."""
+    from dataclasses import replace
+
     from ..plan.versus import quoted
 
-    del state.runs[run.name]
-    print(f"nbtool: this run takes the name {run.name!r}; the run of `{name}` before it is kept as {quoted(name)}",
+    old = run.name
+    print(f"nbtool: this run takes the name {old!r}; the run of `{name}` before it is kept as {quoted(name)}",
           file=sys.stderr)
     run.name = name
-    state.runs[name] = run
+    state.runs[name] = state.runs.pop(old)
+    if (v := state.versus.get(old)) is not None and v.run is run:
+        state.versus[name] = replace(state.versus.pop(old), run_name=name)
+    if state.calibration is not None and state.calibration[2] is run:
+        state.calibration = (state.calibration[0], name, run)
+    state.advice = [replace(s, base_run=name) if s.base_run == old else s for s in state.advice]
 
 
 def run_name(state: Session, spec) -> str:
