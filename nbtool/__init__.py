@@ -62,13 +62,23 @@ def predicted_vs_measured(name: str | None = None, calibrate_on: str | None = No
 
 
 def last_run(name: str | None = None):
-    """The records of the last ``%%distributed STRATEGY`` run, or of the run called ``name``.
+    """The records of the last ``%%distributed STRATEGY`` run, or of the run called ``name`` (or run
+    under that line, as %dist_compare finds it).
 
     A nbtool.metrics.RunRecords: ``.comms`` (every collective), ``.memory``,
     ``.steps``, ``.scalars``, ``.pipeline``, ``.timelines`` (``--memory-timeline``); None before any
-    recorded run.
+    recorded run, and for a name no run has.
     """
     magics = _magics()
     if magics is None:
         return None
-    return magics.session.runs.get(name) if name is not None else magics.session.last
+    if name is None:
+        return magics.session.last
+    from IPython.core.error import UsageError
+
+    from .actions.metrics import stored_runs
+
+    try:
+        return stored_runs(magics.session, [name])[0]
+    except UsageError:
+        return None

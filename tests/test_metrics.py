@@ -220,7 +220,8 @@ def test_a_run_of_other_options_keeps_the_run_before_it(ranks, capsys):
     both stay recorded for %dist_compare; a plain word after a line of options takes the word and keeps
     the run before it under its line, saying so. A run is found by the line it ran under too."""
     first = record(ranks, "zero1 --reduce-bucket-mb 1")
-    assert first.name == "zero1"
+    assert first.name == "zero1" and nbtool.last_run("zero1 --reduce-bucket-mb 1") is first
+    assert nbtool.last_run("zero1 --reduce-bucket-mb 9") is None
     capsys.readouterr()
     ranks.run_line_magic("dist_compare", '"zero1   --reduce-bucket-mb 1" --deterministic')  # its line, any spacing
     assert capsys.readouterr().out.splitlines()[1].startswith("zero1 "), first

@@ -47,6 +47,9 @@ def _planner_errors(state: Session, runs: list, deterministic: bool, calibration
     return "\n\n" + error_table(results, deterministic) if results else ""
 
 
+LISTED_RUNS = 4  # the latest runs an unknown name's error lists (one line, however many runs)
+
+
 def run_line(run) -> str:
     """The ``%%distributed`` line (after the magic's name) that ``run`` ran under, as nbtool.spec.line_of
     writes it."""
@@ -65,9 +68,10 @@ def stored_runs(state: Session, names: list[str]) -> list:
     for name in names:
         by_line = [r for r in state.runs.values() if run_line(r) == " ".join(name.split())]
         if name not in state.runs and len(by_line) != 1:
-            listed = ", ".join(repr(n) + (f" ({line})" if (line := run_line(r)) != n else "")
-                               for n, r in state.runs.items())
-            raise UsageError(f"no run named {name!r}; recorded runs: {listed}")
+            listed = [repr(n) + (f" ({line})" if (line := run_line(r)) != n else "") for n, r in state.runs.items()]
+            more = len(listed) - LISTED_RUNS
+            raise UsageError(f"no run named {name!r}; recorded runs: {', '.join(listed[-LISTED_RUNS:])}"
+                             + (f" and {more} before them (%dist_compare lists every run)" if more > 0 else ""))
         found.append(state.runs[name] if name in state.runs else by_line[0])
     return found if names else list(state.runs.values())
 

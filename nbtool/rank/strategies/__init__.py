@@ -92,6 +92,8 @@ def finish(want_summary: bool = True) -> dict:
     if _last is not None:
         if want_summary:
             out["summary"] = _last.summary()
+        # the line it ran under, even where the cell never prepared a model (the kernel names runs by it)
+        out["description"] = RunDescription(spec=_spec_fields(_last.spec))
         if _last.model is not None:
             # plus what the planner needs to predict this run (%dist_plan --vs-last)
             dims = getattr(_last, "dims", None)  # a ParallelDims for tp / pp / fsdp x tp
