@@ -334,8 +334,10 @@ class NbtoolMagics(Magics):
     def dist_compare(self, line=""):
         """Compare recorded runs side by side: ``%dist_compare ddp fsdp zero3``.
 
-        Runs are named by the strategy word, by the segment of a
-        ``%%distributed compare`` line, or by ``--name``. Shows a table
+        Runs are named by the strategy word (by their line where a run of
+        another line has the word), by the segment of a ``%%distributed
+        compare`` line, or by ``--name``; a run is also found by the line it
+        ran under (``"tp --sp"`` for the run named ``tp``). Shows a table
         (model-state bytes per rank, comm bytes and collectives per step, step
         and comm time, final loss; ratios to the first run) and plots, then the
         planner's error on each run, predicted from the run before it (with

@@ -8,8 +8,8 @@ from dataclasses import dataclass, field
 class Session:
     """What this kernel remembers between cells."""
 
-    # recorded runs by name: a later run takes over its name, unless it never called strategy.prepare and
-    # the earlier one did (actions.run)
+    # recorded runs by name: a later run of the same line takes over its name, unless it never called
+    # strategy.prepare and the earlier one did; a run of another line keeps its own (actions.run.run_name)
     runs: dict = field(default_factory=dict)
     last: object = None  # the newest RunRecords, failed runs included (for inspection)
     commbench: object = None  # the last CommbenchResult, whose link fit the planner uses
