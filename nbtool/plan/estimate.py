@@ -406,7 +406,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
-             tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None) -> Estimate:
+             tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None,
+             tp_split_parts: int | None = None) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``prefetch_bucket``: ZeRO-3's
@@ -420,7 +421,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     ``overlap_comm``: ZeRO-1/2's --overlap-comm (a second reduce bucket, to fill while the first is reduced);
     ``tied``: the elements of each weight tied across pipeline stages (GPT-2's embedding and head: a copy
     on each stage holding either, whose gradients nbtool all-reduces over pp every step); ``ddp_bucket``: DDP's
-    bucket_cap_mb in bytes (--bucket-mb; None: torch's default, a first bucket of 1 MiB, then 25 MiB ones)."""
+    bucket_cap_mb in bytes (--bucket-mb; None: torch's default, a first bucket of 1 MiB, then 25 MiB ones);
+    ``tp_split_parts``: the block parts tensor parallelism splits (a row-parallel projection each, all
+    layers; without --sp each all-reduces once forward and once backward), where a plan left some whole
+    (nanoGPT's attention, reshaped by the full width: only its MLP is split); None: each layer's attention
+    and MLP."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -488,9 +493,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 e.notes.append(f"tensor parallel {tp} with sequence parallelism: 4 all-gathers and 4 "
                                "reduce-scatters of s*b*h per layer per micro-batch (not hidden)")
             else:
-                e.add_comm(hw, "all_reduce", tp, 4 * layers_here * t.grad_accum,
-                           2 * 4 * layers_here * per_op * t.grad_accum, wait_s=wait)
-                e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)")
+                parts = 2 * layers_here if tp_split_parts is None else tp_split_parts / pp
+                e.add_comm(hw, "all_reduce", tp, 2 * parts * t.grad_accum, 2 * 2 * parts * per_op * t.grad_accum,
+                           wait_s=wait)
+                e.notes.append(f"tensor parallel {tp}: 4 all-reduces of s*b*h per layer per micro-batch (not hidden)"
+                               if tp_split_parts is None or parts == 2 * layers_here else
+                               f"tensor parallel {tp}: 2 all-reduces of s*b*h per split block part per micro-batch "
+                               f"(not hidden); the plan split {tp_split_parts:g} of {2 * (m.layers or 1):g} "
+                               "attention and MLP parts, the rest compute whole on every rank")
             wait = 0.0
         if pp > 1:
             s, b, h = seq, t.micro_batch, m.hidden

@@ -207,6 +207,8 @@ def layout_options(run) -> dict:
         out.update(shard=dims[1] if dims else None, whole=int(details.get("replicated_elements", 0)))
     elif run.description.dims is not None and run.description.dims[2] == 1:  # tp without pp: exact
         out["whole"] = int(details.get("tp_replicated_elements", 0))
+        if "plan" in details:  # the parts it split: one row-parallel projection each
+            out["tp_split_parts"] = sum(style.startswith("Rowwise") for style in details["plan"].values())
     elif run.strategy == "ddp" and spec.bucket_mb is not None:
         out["ddp_bucket"] = spec.bucket_mb * 2**20
     if run.description.dims is not None:
@@ -480,9 +482,9 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     predicted_states = sum(e.states.values())
     mesh = layout.startswith(("tp", "pp"))
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
-    # tensor parallelism alone, every block's parts sharded (--sp refuses anything else): the planner
-    # counts its collectives exactly; parts a plan leaves whole skip theirs
-    tp_bytes_exact = tp_exact and tp == run.world_size and run.description.details.get("tp_whole_parts") == 0
+    # tensor parallelism alone: the planner counts its collectives exactly, from the parts the plan split
+    # (parts it left whole issue none: nanoGPT's attention)
+    tp_bytes_exact = tp_exact and tp == run.world_size and "plan" in run.description.details
     # the planner's states are the ledger theory's (exact) for data parallelism, ZeRO in bf16 and with
     # offload included (its peak's figures are DeepSpeed's estimator's there: nbtool.plan.estimate)
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
