@@ -66,13 +66,16 @@ def stored_runs(state: Session, names: list[str]) -> list:
         raise UsageError("no recorded runs yet; run a %%distributed STRATEGY cell first")
     found = []
     for name in names:
+        if name in state.runs:
+            found.append(state.runs[name])
+            continue
         by_line = [r for r in state.runs.values() if run_line(r) == " ".join(name.split())]
-        if name not in state.runs and len(by_line) != 1:
+        if len(by_line) != 1:
             listed = [repr(n) + (f" ({line})" if (line := run_line(r)) != n else "") for n, r in state.runs.items()]
             more = len(listed) - LISTED_RUNS
             raise UsageError(f"no run named {name!r}; recorded runs: {', '.join(listed[-LISTED_RUNS:])}"
                              + (f" and {more} before them (%dist_compare lists every run)" if more > 0 else ""))
-        found.append(state.runs[name] if name in state.runs else by_line[0])
+        found.append(by_line[0])
     return found if names else list(state.runs.values())
 
 

@@ -83,8 +83,8 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
                 run.add(part["records"])
             kept = state.runs.get(run.name)
             if ok and (run.description.param_numels or kept is None or not kept.description.param_numels):
-                if kept is not None and name is None and run_line(kept) != run_line(run):
-                    _rename(state, kept, run_line(kept))  # a plain strategy word after a line of options
+                if kept is not None and name is None and (line := run_line(kept)) != run_line(run):
+                    _rename(state, kept, line)  # a plain strategy word after a line of options
                 state.runs[run.name] = run  # a failed run is kept for inspection (last_run()), never as a row
             elif ok:  # a cell that never called strategy.prepare does not replace a run that did
                 print(f"nbtool: the run {run.name!r} recorded before is kept for %dist_compare and %dist_plan: "

@@ -145,18 +145,23 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     # only what the planner predicts to shorten the step (more micro-batches can cost more in sends
     # than they save in bubble: on CPU ranks each send pays ~0.3 ms); then what saves memory at no time
     out = sorted((x for x in out if x[0] > 0), key=lambda x: -x[0])
-    faster = [replace(s, step_before=step, step_change=-saved / e.step_s * (step or e.step_s))
+    faster = [replace(s, step_before=step, step_change=_step_change(e, e.step_s - saved, step))
               for saved, s in out[:MAX_SUGGESTIONS]]
     return faster + [replace(s, step_before=step) for s in
                      _memory(run, spec, shape, training, e, hw, step)[:MAX_SUGGESTIONS - len(faster)]]
 
 
+def _step_change(e: Estimate, after_s: float, step: float | None) -> float:
+    """A suggestion's predicted change of the step, in seconds: the planner's ratio (its step after,
+    ``after_s``, over its step before) applied to the measured ``step``. Its own step can be further off
+    than the change it predicts: its absolute change had predicted -4.3 ms for a ddp run that measured
+    6.5 ms and the planner put at 19 ms."""
+    return (after_s / e.step_s - 1) * (step or e.step_s)
+
+
 def _step_effect(e: Estimate, e2: Estimate, step: float | None) -> str:
-    """A suggestion's predicted change of the step: the planner's ratio (after / before) applied to the
-    measured step. Its own step can be further off than the change it predicts: its absolute change had
-    predicted -4.3 ms for a ddp run that measured 6.5 ms and the planner put at 19 ms."""
-    change = e2.step_s / e.step_s - 1
-    return f"step time {change * (step or e.step_s) * 1e3:+.1f} ms ({change:+.0%})"
+    """``_step_change`` as a suggestion writes it: ms and %."""
+    return f"step time {_step_change(e, e2.step_s, step) * 1e3:+.1f} ms ({e2.step_s / e.step_s - 1:+.0%})"
 
 
 def _signed_bytes(n: float) -> str:
@@ -190,7 +195,7 @@ def _memory(run, spec, shape, training, e, hw, step: float | None) -> list[Sugge
         "peak tensor memory", before, before - saved,
         f"peak tensor memory {format_bytes(before)} -> {format_bytes(before - saved)} (-{format_bytes(saved)}), "
         f"{_step_effect(e, e2, step)} (as many reductions: every gradient fits one bucket)",
-        run.name, step_change=(e2.step_s / e.step_s - 1) * (step or e.step_s))]
+        run.name, step_change=_step_change(e, e2.step_s, step))]
 
 
 # how each figure a suggestion moves is written (others: one decimal)
