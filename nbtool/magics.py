@@ -522,7 +522,7 @@ class NbtoolMagics(Magics):
                 raise UsageError(f"{ignored[0]} applies to the ranking, not to --vs/--vs-last: a recorded run is "
                                  "predicted from the model, batch and options its ranks recorded")
             return actions.plan.plan_vs(self.session, names.get("--vs"), names.get("--calibrate-on"),
-                                        args.deterministic)
+                                        args.deterministic, self.in_kernel)
         if args.deterministic:
             raise UsageError("--deterministic applies with --vs NAME or --vs-last (the ranking has no measured "
                              "figures)")

@@ -292,6 +292,15 @@ class Lab:
         except Exception:
             pass
 
+    def shot_element(self, i: int, selector: str, name: str) -> None:
+        """A picture of the first element matching ``selector`` in cell i's output."""
+        try:
+            el = self.cells()[i].find_element("css selector", selector)
+            self.js("arguments[0].scrollIntoView({block: 'start'})", el)
+            el.screenshot(str(self.artifacts / f"{name}.png"))
+        except Exception:
+            pass
+
     def close(self) -> None:
         if self.driver is not None:
             try:

@@ -120,12 +120,17 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert len(final) == 1 and sum(final[0]) >= counts[-1]
     title = lab.js("return document.querySelectorAll('.jp-Cell')[2].querySelector('.gtitle').textContent")
     assert "ddp:" in title and "optimizer steps" in title
-    # under the run, the planner's figures next to the measured ones (model states exact in fp32)
+    # under the run, the planner's figures next to the measured ones (model states exact in fp32), as a
+    # table whose columns hold within the output's width (as text its rows ran past it and wrapped)
     out = lab.output_text(2)
     assert "predicted vs measured, run 'ddp'" in out, out
-    states = next(line for line in out.splitlines() if line.startswith("model states"))
-    assert "+0.0% ok" in states and "ledger" in states, states
-    assert all(f in out for f in ("peak tensor memory", "step time", "exposed comm", "throughput")), out
+    rows = {r[0]: r for r in _table(lab, 2, "nbtool-versus")}
+    assert rows["figure"] == ["figure", "measured", "predicted", "error", "measured as"], rows
+    assert rows["model states"][3] == "+0.0% ok" and rows["model states"][4].startswith("ledger"), rows
+    assert all(f in rows for f in ("peak tensor memory", "step time", "exposed comm", "throughput")), rows
+    assert re.fullmatch(r"[0-9.]+ ms", rows["step time"][1]) and re.fullmatch(r"[0-9.]+ ms", rows["step time"][2])
+    assert _fits(lab, 2, "nbtool-versus")
+    lab.shot_element(2, "table.nbtool-versus", "predicted_vs_measured")
 
     # %cluster status: a table whose caption is left-aligned
     lab.run_and_wait(3, 30)
@@ -171,6 +176,10 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert "fsdp" in lab.output_text(8) and "vs first" in lab.output_text(8)
     assert "compile s" in lab.output_text(8)  # torch.compile's seconds, apart from the step times
     assert "planner's error (predicted - measured) / measured" in lab.output_text(8)
+    errors = {r[0]: r for r in _table(lab, 8, "nbtool-errors")}  # a row per run: ddp's, then fsdp's
+    assert [r[1] for r in errors.values()][1:] == ["+0.0% ok", "+0.0% ok"], errors
+    assert _fits(lab, 8, "nbtool-errors")
+    lab.shot_element(8, "table.nbtool-errors", "planner_errors")
 
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors
@@ -217,6 +226,21 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
         text = lab.js("return document.body.innerText")
         assert "VBox(" not in text and "Plotly is not defined" not in text and "!function" not in text
     lab.console_errors()  # drop the exported pages' messages (nbconvert's template names CDN scripts)
+
+
+def _table(lab, cell: int, css: str) -> list[list[str]]:
+    """The text of each cell of each row of the table of class ``css`` in cell ``cell``'s output."""
+    return lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[arguments[0]]"
+                  ".querySelectorAll('table.' + arguments[1] + ' tr'))"
+                  ".map(r => Array.from(r.cells).map(c => c.innerText.trim()))", cell, css)
+
+
+def _fits(lab, cell: int, css: str) -> bool:
+    """The table of class ``css`` fits its output area's width (no horizontal scrollbar)."""
+    return lab.js("const t = document.querySelectorAll('.jp-Cell')[arguments[0]].querySelector('table.' + arguments[1]);"
+                  "const o = t.closest('.jp-OutputArea-output');"
+                  "return t.getBoundingClientRect().width <= o.clientWidth + 1 && o.scrollWidth <= o.clientWidth + 1",
+                  cell, css)
 
 
 def _export(path: Path, sanitize: bool) -> Path:

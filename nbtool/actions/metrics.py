@@ -14,6 +14,7 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
 
     ``deterministic`` prints only the columns that do not vary between runs.
     """
+    from ..plan.versus import error_cells, error_table
     from ..widgets import Comparison, show_figure
 
     calibration = None
@@ -23,15 +24,18 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
         calibration = calibration_on(state, calibrate_on)  # checked before anything is shown
         same_device_kind(calibration, [r for r in runs if r.description.param_numels])
     comparison = Comparison(runs)
-    errors = _planner_errors(state, runs, deterministic, calibration) if state is not None else ""
+    results = _planner_results(state, runs, calibration) if state is not None else []
     if deterministic or not in_kernel:
+        errors = "\n\n" + error_table(results, deterministic) if results else ""
         print(comparison.text(deterministic=deterministic) + errors)
         return
     from IPython.display import display
 
+    from ..widgets.versus_table import error_table_html
+
     display(comparison)
-    if errors:
-        print(errors.lstrip("\n"))
+    if results:  # a table of its own, like the comparison's: as text its 120-character rows wrapped
+        display({"text/plain": error_table(results), "text/html": error_table_html(*error_cells(results))}, raw=True)
     show_figure(comparison.figure())
     if any(r.timelines for r in runs):  # --memory-timeline runs: their timelines, one row per run
         from ..widgets.memory_timeline import timeline_figure
@@ -39,12 +43,12 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
         show_figure(timeline_figure(runs))
 
 
-def _planner_errors(state: Session, runs: list, deterministic: bool, calibration: tuple | None = None) -> str:
-    from ..plan.versus import error_table
+def _planner_results(state: Session, runs: list, calibration: tuple | None = None) -> list:
+    """The planner's prediction of each run that prepared a model (the run before it calibrating it, or
+    ``calibration``)."""
     from .plan import versus_for
 
-    results = [versus_for(state, r, calibration) for r in runs if r.description.param_numels]
-    return "\n\n" + error_table(results, deterministic) if results else ""
+    return [versus_for(state, r, calibration) for r in runs if r.description.param_numels]
 
 
 LISTED_RUNS = 4  # the latest runs an unknown name's error lists (one line, however many runs)

@@ -253,7 +253,8 @@ def _preset(text: str, table: dict, option: str, hint: str = "") -> str:
     return hits[0]
 
 
-def plan_vs(state: Session, name: str | None = None, on: str | None = None, deterministic: bool = False) -> None:
+def plan_vs(state: Session, name: str | None = None, on: str | None = None, deterministic: bool = False,
+            in_kernel: bool = False) -> None:
     """``%dist_plan --vs NAME`` (``--vs-last``: the last run, failed ones too): that run's figures next to the
     planner's (nbtool.plan.versus), calibrated as it was under its cell, or on run ``on``
     (``--calibrate-on``)."""
@@ -273,7 +274,21 @@ def plan_vs(state: Session, name: str | None = None, on: str | None = None, dete
     if state.runs.get(run.name) is not run:  # --vs-last on a run that raised: kept for inspection only
         print(f"the last run, {run.name!r}, failed: its figures are as far as it got (not recorded for "
               "%dist_compare or --vs)")
-    print(result.text(deterministic=deterministic))
+    show_versus(result, in_kernel, deterministic)
+
+
+def show_versus(result, in_kernel: bool, deterministic: bool = False) -> None:
+    """The predicted-vs-measured table: in a notebook an HTML table (as text its rows, 150-200 characters,
+    wrapped at the output's width and lost their columns), the text with it; text elsewhere, and with
+    ``deterministic`` (outputs that are checked, as %dist_compare's)."""
+    if deterministic or not in_kernel:
+        print(result.text(deterministic=deterministic))
+        return
+    from IPython.display import display
+
+    from ..widgets.versus_table import versus_html
+
+    display({"text/plain": result.text(), "text/html": versus_html(result)}, raw=True)
 
 
 def calibration_on(state: Session, name: str) -> tuple:
@@ -341,7 +356,7 @@ def versus_for(state: Session, run, calibration: tuple | None = None):
     return versus(run, hw, source, on)
 
 
-def after_run(state: Session, run, show: bool) -> None:
+def after_run(state: Session, run, show: bool, in_kernel: bool = False) -> None:
     """After a good strategy run: its predicted-vs-measured table, what became of advice it followed,
     new advice; then calibrate the planner on it."""
     from ..plan.advice import followed, suggest
@@ -355,7 +370,7 @@ def after_run(state: Session, run, show: bool) -> None:
     taken = [s for s in state.advice if s.line == line]
     state.advice = suggest(run, result)
     if show:
-        print(result.text())
+        show_versus(result, in_kernel)
         for s in taken:
             print(followed(run, s))
         for i, s in enumerate(state.advice, 1):

@@ -102,7 +102,7 @@ def run_strategy(state: Session, cluster: RankCluster, code: str, spec, *, in_ke
     if metrics:
         from .plan import after_run
 
-        after_run(state, run, show=watch and not quiet)
+        after_run(state, run, show=watch and not quiet, in_kernel=in_kernel)
     return run if metrics else None
 
 

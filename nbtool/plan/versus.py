@@ -66,8 +66,10 @@ class Versus:
     def row(self, figure: str) -> Row:
         return next(r for r in self.rows if r.figure == figure)
 
-    def text(self, deterministic: bool = False) -> str:
-        """The table; ``deterministic``: only the rows that do not vary between runs (bytes)."""
+    def cells(self, deterministic: bool = False) -> tuple[str, tuple, list[tuple], list[Row]]:
+        """(heading, column names, each shown row's cell texts, those rows): what the text table and the
+        notebook's HTML table (nbtool.widgets.versus_table) both show; ``deterministic``: only the rows
+        that do not vary between runs (bytes)."""
         from ..metrics import format_bytes
 
         def fmt(v, unit):
@@ -81,12 +83,16 @@ class Versus:
 
         head = f"predicted vs measured, run {self.run_name!r}" + (
             "" if deterministic else f" (planner's link and compute: {self.hardware_source})")
+        rows = [r for r in self.rows if not deterministic or r.figure in DETERMINISTIC]
         cells = [(r.figure, fmt(r.measured, r.unit), fmt(r.predicted, r.unit),
                   "-" if r.error is None else _percent(r.error)
                   + ("" if r.within is None else (" ok" if r.within else f" (> {r.tolerance:.0%})")),
-                  r.source + (f"; {r.note}" if r.note else "")) for r in self.rows
-                 if not deterministic or r.figure in DETERMINISTIC]
-        cols = ("figure", "measured", "predicted", "error", "measured as")
+                  r.source + (f"; {r.note}" if r.note else "")) for r in rows]
+        return head, ("figure", "measured", "predicted", "error", "measured as"), cells, rows
+
+    def text(self, deterministic: bool = False) -> str:
+        """The table; ``deterministic``: only the rows that do not vary between runs (bytes)."""
+        head, cols, cells, _ = self.cells(deterministic)
         lines = [head] + _columns(cols, cells)
         return "\n".join(lines + ([] if deterministic else [f"note: {n}" for n in self.notes]))
 
@@ -103,8 +109,9 @@ def _percent(x: float) -> str:
     return f"{x:+.1%}" if abs(x) >= 0.0005 else "+0.0%"  # no "-0.0%" for a few bytes' difference
 
 
-def error_table(results: list, deterministic: bool = False) -> str:
-    """One line per run: the planner's error on each judged figure (``%dist_compare``)."""
+def error_cells(results: list, deterministic: bool = False) -> tuple[tuple, list[list], str]:
+    """(column names, one row of cell texts per run, the line below): the planner's error on each
+    judged figure, per run (``%dist_compare``), as text (``error_table``) or HTML."""
     figures = DETERMINISTIC if deterministic else DETERMINISTIC + ("peak tensor memory", "step time")
     cells = []
     for v in results:
@@ -118,11 +125,16 @@ def error_table(results: list, deterministic: bool = False) -> str:
         cells.append(row)
     cols = ("planner's error (predicted - measured) / measured",) + figures + (
         () if deterministic else ("calibrated on",))
-    lines = _columns(cols, cells)
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
     median = "" if deterministic else "; step time: against the median of steps 2..N"
-    return "\n".join(lines + [f"ok / off: within / outside the tolerance ({tol}){median}; "
-                              "%dist_plan --vs NAME for a run's figures"])
+    return cols, cells, (f"ok / off: within / outside the tolerance ({tol}){median}; "
+                         "%dist_plan --vs NAME for a run's figures")
+
+
+def error_table(results: list, deterministic: bool = False) -> str:
+    """One line per run: the planner's error on each judged figure (``%dist_compare``)."""
+    cols, cells, below = error_cells(results, deterministic)
+    return "\n".join(_columns(cols, cells) + [below])
 
 
 def spec_of(run) -> StrategySpec:
