@@ -5,6 +5,7 @@ from collections import Counter
 import json
 import math
 import re
+import statistics
 
 import pytest
 from IPython.core.error import UsageError
@@ -530,6 +531,25 @@ def test_advice_applied_moves_the_figure_it_predicted(ranks, capsys):
         assert nbtool.last_run().name == s.line and nbtool.last_run(s.base_run).name == s.base_run
         assert f'side by side: %dist_compare {quoted(s.base_run)} "{s.line}"' in out, out
 
+
+
+def test_a_ddp_run_calibrated_on_itself_predicts_its_own_step(ranks):
+    """DDP's bucket all-reduces on CPU ranks take the latency that their own in-flight union gives (the
+    preset's row, fitted on other machines, had put 8 small buckets a step at 2-3x the whole step)."""
+    from nbtool.plan.estimate import DDP_INFLIGHT
+    from nbtool.plan.versus import calibrate, versus
+
+    run = record(ranks, "ddp --bucket-mb 0.05", steps=8)
+    hw = calibrate(run)
+    alpha, bw = hw.bandwidth(2, DDP_INFLIGHT)
+    steps = run_analysis.steady_steps(run)
+    busy = statistics.median(s["comm_s"] for s in steps)
+    count = statistics.median(s["count"] for s in steps)
+    assert count >= 2 and alpha * count + statistics.median(s["bus_bytes"] for s in steps) / bw == \
+        pytest.approx(busy, rel=1e-9)
+    assert "DDP's buckets (alpha" in hw.name, hw.name
+    step = versus(run, hw, "itself").row("step time")
+    assert step.within, step  # compute by construction, communication its own in-flight union
 
 
 def test_a_reduce_bucket_that_fits_the_gradients_is_advised_and_frees_what_was_predicted(ranks, capsys):

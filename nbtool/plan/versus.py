@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from .. import run_analysis
 from ..spec import StrategySpec, bucket_element_bytes
 from . import cpu_costs
-from .estimate import MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
+from .estimate import DDP_INFLIGHT, MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
 from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
 from .model_states import PERSISTENCE_THRESHOLD
 
@@ -351,6 +351,23 @@ def op_links(run, blocking_only: bool) -> dict:
     return out
 
 
+def ddp_buckets_link(run, hw: Hardware) -> tuple | None:
+    """(alpha, B, ms, count): the link of a DDP run's bucket all-reduces on CPU ranks, B the preset's and
+    alpha what puts count x alpha + bus bytes / B through their in-flight union a typical step (the
+    median over steps 2..N of each; the recorder measures that union, as the reducer's wait is in C++).
+    The preset's row, fitted on other machines' runs of a few buckets a step, had put a 2-rank run's
+    8 buckets of 64 KiB at 43 ms a step where they took 19 ms: the run, calibrated on itself, was
+    predicted +136%. None where the run timed no bucket."""
+    steps = run_analysis.steady_steps(run)
+    if not steps:
+        return None
+    count, bus, busy = (statistics.median(s[k] for s in steps) for k in ("count", "bus_bytes", "comm_s"))
+    if count < 1 or busy <= 0:
+        return None
+    _, bw = hw.bandwidth(run.world_size, DDP_INFLIGHT, "all_reduce")
+    return max(0.0, (busy - bus / bw) / count), bw, busy * 1e3, count
+
+
 def with_timeline(run) -> bool:
     """Whether ``run`` recorded a --memory-timeline (its times hold the timeline's bookkeeping)."""
     return run.description.spec.get("memory_timeline") is not None  # "" or a directory: on
@@ -418,6 +435,11 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
         hw = replace(hw.with_op_links(own), measured=True)
         what.append("per op: " + ", ".join(f"{op} (alpha {a * 1e6:.0f} us, B {b / 1e9:.2f} GB/s)"
                                            for op, (a, b) in sorted(own.items())))
+    if cpu and run.strategy == "ddp" and (buckets := ddp_buckets_link(run, hw)):
+        hw = replace(hw.with_op_links({DDP_INFLIGHT: buckets[:2]}), measured=True)
+        what.append(f"DDP's buckets (alpha {buckets[0] * 1e6:.0f} us through the CPU preset's B "
+                    f"{buckets[1] / 1e9:.2f} GB/s: their in-flight union, {buckets[2]:.3g} ms a step "
+                    f"for {buckets[3]:g} all-reduces)")
     compute = measured_compute_s(run)
     try:
         layout, shape, training, tp, pp = planner_inputs(run)
