@@ -195,42 +195,14 @@ def _link_points(dirs: str) -> dict:
     import os
     from collections import defaultdict
 
-    from nbtool import run_analysis
     from nbtool.metrics import load
-    from nbtool.plan.estimate import DDP_INFLIGHT, SP_GATHER, SP_SCATTER, ZERO3_FETCH
-    from nbtool.plan.versus import OWN_LINK_OPS  # the ops with a row of their own
+    from nbtool.plan.versus import typical_link_points
 
     own: dict = defaultdict(list)
     for d in dirs.split(","):
         for path in sorted(glob.glob(os.path.join(d, "*_plain.json"))):
-            run = load(path)
-            sp = run.description.spec.get("sp")
-            if run.description.dims is not None and not sp:
-                continue
-            # sequence parallelism's gathers and scatters: rows of their own (its norms' one all-reduce
-            # a step, tensor parallelism's, is left out)
-            rows = {"all_gather": SP_GATHER, "reduce_scatter": SP_SCATTER} if sp else {op: op for op in OWN_LINK_OPS}
-            last = max(m.step for m in run.steps if m.rank == 0)
-            steps: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))  # row -> step -> figures
-            waited = {}  # ZeRO-3's async all-gathers: seq -> record
-            for c in run.comms:
-                if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
-                    continue
-                if not c.asynchronous and c.op in rows:
-                    step = steps[rows[c.op]][c.step]
-                    step[0], step[1], step[2] = step[0] + 1, step[1] + c.bus_bytes, step[2] + c.seconds
-                elif c.asynchronous and c.op == "all_gather" and run.strategy == "zero3":
-                    waited[c.seq] = c
-                    step = steps[ZERO3_FETCH][c.step]
-                    step[0], step[1] = step[0] + 1, step[1] + c.bus_bytes
-            for w in run.waits:
-                if w.rank == 0 and w.seq in waited:
-                    steps[ZERO3_FETCH][waited[w.seq].step][2] += w.seconds
-            for row, by_step in steps.items():
-                own[row].append(tuple(statistics.median(s[i] for s in by_step.values()) for i in range(3)))
-            if run.strategy == "ddp" and (table := run_analysis.steady_steps(run)):
-                own[DDP_INFLIGHT].append(tuple(statistics.median(s[k] for s in table)
-                                               for k in ("count", "bus_bytes", "comm_s")))
+            for row, point in typical_link_points(load(path)).items():
+                own[row].append(point)
     return own
 
 

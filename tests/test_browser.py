@@ -237,7 +237,8 @@ def _table(lab, cell: int, css: str) -> list[list[str]]:
 
 def _fits(lab, cell: int, css: str) -> bool:
     """The table of class ``css`` fits its output area's width (no horizontal scrollbar)."""
-    return lab.js("const t = document.querySelectorAll('.jp-Cell')[arguments[0]].querySelector('table.' + arguments[1]);"
+    return lab.js("const t = document.querySelectorAll('.jp-Cell')[arguments[0]]"
+                  ".querySelector('table.' + arguments[1]);"
                   "const o = t.closest('.jp-OutputArea-output');"
                   "return t.getBoundingClientRect().width <= o.clientWidth + 1 && o.scrollWidth <= o.clientWidth + 1",
                   cell, css)

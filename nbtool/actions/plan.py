@@ -332,7 +332,7 @@ def versus_for(state: Session, run, calibration: tuple | None = None):
     """The planner's prediction of ``run`` with the best hardware figures this kernel has: the
     calibration of the run before it (else of this run itself), or ``calibration`` ((Hardware, name,
     run) from ``calibration_on``), with %commbench's link fit."""
-    from ..plan.versus import calibrate, versus, with_timeline
+    from ..plan.versus import calibrate, ran_on_cpu, versus, with_timeline
 
     if calibration is None:
         cached = state.versus.get(run.name)
@@ -349,8 +349,12 @@ def versus_for(state: Session, run, calibration: tuple | None = None):
             source += (", a --memory-timeline run: its bookkeeping is in the compute rate" if timed[0] else
                        ", a run without --memory-timeline: this one's times hold the timeline's bookkeeping")
     else:
+        # on CPU ranks an op the run timed in too few sizes to fit a link keeps the in-training table
+        # (nbtool.plan.versus.ddp_buckets_link says why): the deep FSDP's step read +29% calibrated on itself
         hw, source = calibrate(run), ("calibrated on this run (its compute fits by construction; its "
-                                      "communication is the link fit of its own collectives)")
+                                      + ("collectives: their own link where they fit one, DDP's buckets their "
+                                         "in-flight union, else the CPU ranks' in-training table)" if ran_on_cpu(run)
+                                         else "communication is the link fit of its own collectives)"))
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
         hw, source = hw.with_commbench(state.commbench), source + "; link from %commbench"
     return versus(run, hw, source, on)

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field, replace
 from .. import run_analysis
 from ..spec import StrategySpec, bucket_element_bytes
 from . import cpu_costs
-from .estimate import DDP_INFLIGHT, MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, Estimate, estimate, sequence
+from .estimate import (DDP_INFLIGHT, MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, SP_GATHER, SP_SCATTER, ZERO3_FETCH, Estimate,
+                       estimate, sequence)
 from .inputs import RECORDED_SHAPE, Hardware, ModelShape, Training
 from .model_states import PERSISTENCE_THRESHOLD
 
@@ -351,21 +352,61 @@ def op_links(run, blocking_only: bool) -> dict:
     return out
 
 
+def typical_link_points(run) -> dict:
+    """{row: (collectives, bus bytes, seconds)} in a typical step of ``run`` on rank 0, each the median
+    over steps 2..N-1: the figures the CPU preset's rows (cpu_costs.COLLECTIVES) model, and
+    ``benchmarks/fit_cpu_costs.py --links`` fits them to. The rows: per op, the collectives the thread
+    blocked on, in data-parallel runs (tensor parallelism's and a pipeline's wait for the other rank is
+    cpu_costs.SYNC_WAIT's); sequence parallelism's gathers and scatters (tp --sp runs); ZeRO-3's
+    fetches, the seconds waited on them; DDP's buckets, their in-flight union (the reducer's wait is in
+    C++, unseen: the union is what DDP's measured compute leaves them)."""
+    from collections import defaultdict
+
+    sp = run.description.spec.get("sp")
+    if run.description.dims is not None and not sp:
+        return {}
+    # sequence parallelism's gathers and scatters: rows of their own (its norms' one all-reduce a step,
+    # tensor parallelism's, is left out)
+    rows = {"all_gather": SP_GATHER, "reduce_scatter": SP_SCATTER} if sp else {op: op for op in OWN_LINK_OPS}
+    last = max((m.step for m in run.steps if m.rank == 0), default=0)
+    steps: dict = defaultdict(lambda: defaultdict(lambda: [0, 0.0, 0.0]))  # row -> step -> figures
+    waited = {}  # ZeRO-3's async all-gathers: seq -> record
+    for c in run.comms:
+        if c.rank != 0 or not 1 <= c.step <= last - 1 or c.bus_bytes <= 0:
+            continue
+        if not c.asynchronous and c.op in rows:
+            step = steps[rows[c.op]][c.step]
+            step[0], step[1], step[2] = step[0] + 1, step[1] + c.bus_bytes, step[2] + c.seconds
+        elif c.asynchronous and c.op == "all_gather" and run.strategy == "zero3":
+            waited[c.seq] = c
+            step = steps[ZERO3_FETCH][c.step]
+            step[0], step[1] = step[0] + 1, step[1] + c.bus_bytes
+    for w in run.waits:
+        if w.rank == 0 and w.seq in waited:
+            steps[ZERO3_FETCH][waited[w.seq].step][2] += w.seconds
+    out = {row: tuple(statistics.median(s[i] for s in by_step.values()) for i in range(3))
+           for row, by_step in steps.items()}
+    if run.strategy == "ddp" and (table := run_analysis.steady_steps(run)):
+        out[DDP_INFLIGHT] = tuple(statistics.median(s[k] for s in table) for k in ("count", "bus_bytes", "comm_s"))
+    return out
+
+
 def ddp_buckets_link(run, hw: Hardware) -> tuple | None:
-    """(alpha, B, ms, count): the link of a DDP run's bucket all-reduces on CPU ranks, B the preset's and
-    alpha what puts count x alpha + bus bytes / B through their in-flight union a typical step (the
-    median over steps 2..N of each; the recorder measures that union, as the reducer's wait is in C++).
-    The preset's row, fitted on other machines' runs of a few buckets a step, had put a 2-rank run's
-    8 buckets of 64 KiB at 43 ms a step where they took 19 ms: the run, calibrated on itself, was
-    predicted +136%. None where the run timed no bucket."""
-    steps = run_analysis.steady_steps(run)
-    if not steps:
+    """(alpha, B) of a DDP run's bucket all-reduces on CPU ranks: the preset's B, and the latency that
+    puts buckets x alpha + bus bytes / B through their in-flight union in a typical step
+    (``typical_link_points``). The preset's row, fitted on other machines' runs of a few buckets a
+    step, had put a ``ddp --bucket-mb 0.05`` run's 8 buckets at 43 ms a step where they took 19 (the
+    run, calibrated on itself, read +136%). The other rows stay the preset's where a run cannot fit
+    its own link (``op_links``): their seconds include the wait for the other rank, which grows with
+    the host's work, and a run's own rows carried into another line's prediction missed more (108 runs
+    of benchmarks/plan_accuracy.py: 32 of 36 within 25% against 34; fsdp bf16 from fsdp -26% where
+    the preset gave -3.5%). None where the run timed no bucket."""
+    point = typical_link_points(run).get(DDP_INFLIGHT)
+    if point is None or point[0] < 1 or point[2] <= 0:
         return None
-    count, bus, busy = (statistics.median(s[k] for s in steps) for k in ("count", "bus_bytes", "comm_s"))
-    if count < 1 or busy <= 0:
-        return None
-    _, bw = hw.bandwidth(run.world_size, DDP_INFLIGHT, "all_reduce")
-    return max(0.0, (busy - bus / bw) / count), bw, busy * 1e3, count
+    count, bus, seconds = point
+    _, bw = hw.bandwidth(run.world_size, DDP_INFLIGHT)
+    return max(0.0, (seconds - bus / bw) / count), bw
 
 
 def with_timeline(run) -> bool:
@@ -436,10 +477,9 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
         what.append("per op: " + ", ".join(f"{op} (alpha {a * 1e6:.0f} us, B {b / 1e9:.2f} GB/s)"
                                            for op, (a, b) in sorted(own.items())))
     if cpu and run.strategy == "ddp" and (buckets := ddp_buckets_link(run, hw)):
-        hw = replace(hw.with_op_links({DDP_INFLIGHT: buckets[:2]}), measured=True)
+        hw = replace(hw.with_op_links({DDP_INFLIGHT: buckets}), measured=True)
         what.append(f"DDP's buckets (alpha {buckets[0] * 1e6:.0f} us through the CPU preset's B "
-                    f"{buckets[1] / 1e9:.2f} GB/s: their in-flight union, {buckets[2]:.3g} ms a step "
-                    f"for {buckets[3]:g} all-reduces)")
+                    f"{buckets[1] / 1e9:.2f} GB/s: their in-flight union)")
     compute = measured_compute_s(run)
     try:
         layout, shape, training, tp, pp = planner_inputs(run)
@@ -459,16 +499,17 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
             # calibrated on itself predicts its own compute (tp --sp's had come out 44% over)
             at = lambda speed: run_estimate(run, replace(hw, host_speed=speed)).compute_s
             fixed = at(0.0)  # bf16's FLOPs at the probed rate
+            scaled = at(1.0) - fixed  # the host's work at host_speed 1; the speed found from it does not
+            # depend on the kept speed's rounding (two runs of the same records, calibrated after different
+            # runs, had differed in the last digit)
             kept = host_speed or (base.host_speed if base is not None and base.host_speed else 1.0)
-            host = at(kept) - fixed  # the host's work at that speed
+            host = kept * scaled  # the host's work at that speed
             rated, probed = None, hw.bf16_flops  # rated: bf16's FLOP rate in this run's training, where the
             # run tells that and not the host's speed
             if fixed > compute / 2 and compute > host:
                 rated = flops / (compute - host)
                 hw = replace(hw, host_speed=kept, matmul_flops=(hw.matmul_flops[0], rated))
-            else:
-                scaled = host / kept  # at host_speed 1; a bf16 run measured faster than its probed FLOP
-                # time alone (noise) scales the whole instead
+            else:  # a bf16 run measured faster than its probed FLOP time alone (noise) scales the whole
                 speed = (compute - fixed) / scaled if compute > fixed else compute / (scaled + fixed)
                 hw = replace(hw, host_speed=speed)
         what.append(f"compute rate ({flops / compute / 1e9:.3g} GFLOP/s achieved"
