@@ -46,7 +46,7 @@ def _table(cols, rows, css: str, caption: str = "", judged=(), wraps: int | None
 
 def versus_html(result, deterministic: bool = False) -> str:
     """``result`` (a nbtool.plan.versus.Versus) as a table with its heading and notes."""
-    head, cols, cells, _ = result.cells(deterministic)
+    head, cols, cells = result.cells(deterministic)
     notes = [] if deterministic else result.notes
     return _table(cols, cells, "nbtool-versus", head, judged=(3,), wraps=len(cols) - 1) + "".join(
         f"<p style='margin:2px 0'>note: {html.escape(n)}</p>" for n in notes)

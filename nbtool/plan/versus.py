@@ -67,8 +67,8 @@ class Versus:
     def row(self, figure: str) -> Row:
         return next(r for r in self.rows if r.figure == figure)
 
-    def cells(self, deterministic: bool = False) -> tuple[str, tuple, list[tuple], list[Row]]:
-        """(heading, column names, each shown row's cell texts, those rows): what the text table and the
+    def cells(self, deterministic: bool = False) -> tuple[str, tuple, list[tuple]]:
+        """(heading, column names, each shown row's cell texts): what the text table and the
         notebook's HTML table (nbtool.widgets.versus_table) both show; ``deterministic``: only the rows
         that do not vary between runs (bytes)."""
         from ..metrics import format_bytes
@@ -84,16 +84,16 @@ class Versus:
 
         head = f"predicted vs measured, run {self.run_name!r}" + (
             "" if deterministic else f" (planner's link and compute: {self.hardware_source})")
-        rows = [r for r in self.rows if not deterministic or r.figure in DETERMINISTIC]
         cells = [(r.figure, fmt(r.measured, r.unit), fmt(r.predicted, r.unit),
                   "-" if r.error is None else _percent(r.error)
                   + ("" if r.within is None else (" ok" if r.within else f" (> {r.tolerance:.0%})")),
-                  r.source + (f"; {r.note}" if r.note else "")) for r in rows]
-        return head, ("figure", "measured", "predicted", "error", "measured as"), cells, rows
+                  r.source + (f"; {r.note}" if r.note else "")) for r in self.rows
+                 if not deterministic or r.figure in DETERMINISTIC]
+        return head, ("figure", "measured", "predicted", "error", "measured as"), cells
 
     def text(self, deterministic: bool = False) -> str:
         """The table; ``deterministic``: only the rows that do not vary between runs (bytes)."""
-        head, cols, cells, _ = self.cells(deterministic)
+        head, cols, cells = self.cells(deterministic)
         lines = [head] + _columns(cols, cells)
         return "\n".join(lines + ([] if deterministic else [f"note: {n}" for n in self.notes]))
 
