@@ -50,8 +50,8 @@ def current_cluster():
 
 def predicted_vs_measured(name: str | None = None, calibrate_on: str | None = None):
     """The planner's prediction of the last run (or of the run called ``name``) next to what it
-    measured: a nbtool.plan.versus.Versus (``.rows``, ``.text()``), as ``%dist_plan --vs NAME`` prints;
-    ``calibrate_on``: the name of the recorded run to calibrate on (``--calibrate-on``)."""
+    measured: a nbtool.plan.versus.Versus (``.rows``, ``.text()``; shown as that text), as ``%dist_plan
+    --vs NAME`` prints; ``calibrate_on``: the name of the recorded run to calibrate on (``--calibrate-on``)."""
     magics = _magics()
     run = last_run(name)
     if magics is None or run is None:

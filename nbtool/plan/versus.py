@@ -98,6 +98,7 @@ class Versus:
         return "\n".join(lines + ([] if deterministic else [f"note: {n}" for n in self.notes]))
 
     __str__ = text
+    __repr__ = text  # a returned table shows as the table, not as its fields (nbtool.predicted_vs_measured())
 
 
 def _columns(cols, rows) -> list[str]:
