@@ -178,8 +178,9 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert "planner's error (predicted - measured) / measured" in lab.output_text(8)
     errors = {r[0]: r for r in _table(lab, 8, "nbtool-errors")}  # a row per run: ddp's, then fsdp's
     assert [r[1] for r in errors.values()][1:] == ["+0.0% ok", "+0.0% ok"], errors
-    assert _fits(lab, 8, "nbtool-errors")
+    assert _fits(lab, 8, "nbtool-errors") and _fits(lab, 8, "nbtool-compare")  # every column in sight
     lab.shot_element(8, "table.nbtool-errors", "planner_errors")
+    lab.shot_element(8, "table.nbtool-compare", "comparison")
 
     errors = [e for e in lab.console_errors() if "favicon" not in e]
     assert not errors, errors

@@ -82,8 +82,16 @@ class Comparison:
 
     def _repr_html_(self) -> str:
         cols, rows = self._cells(False)
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in cols)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+        # compact enough for 13 columns in JupyterLab's output (833 px at a 1280 px window: the table had
+        # run 120 px past it, its last two columns behind a scrollbar): less padding, a header may break
+        # after a "/", and each op of the "by op" cell on its own line
+        pad = "padding:2px 4px"
+        head = "".join(f"<th style='{pad}'>{html.escape(c).replace('/', '/<wbr>')}</th>" for c in cols)
+        by_op = cols.index("by op: S MiB/step")
+        body = "".join("<tr>" + "".join(
+            f"<td style='{pad}{';white-space:nowrap' if i == by_op else ''}'>"
+            + ("<br>".join(map(html.escape, c.split(", "))) if i == by_op else html.escape(c)) + "</td>"
+            for i, c in enumerate(r)) + "</tr>" for r in rows)
         note = ("model state = bytes of parameters, gradients, master copies and optimizer state each rank owns "
                 "(ledger, not RSS); comm bus bytes = S x the nccl-tests bus factor of each collective issued per "
                 "optimizer step (what each rank sends/receives; mean of steps 2..N, rank 0), S by op as nccl-tests "
@@ -95,7 +103,7 @@ class Comparison:
                 "first run that has the figure" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "
                                  "its steps left out of the step times" if any(r["compile_s"] for r in self.rows)
                                  else ""))
-        return (f"<table class='nbtool-compare'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return (f"<table class='nbtool-compare' style='font-size:11px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 
     def figure(self) -> go.Figure:

@@ -55,4 +55,4 @@ def versus_html(result, deterministic: bool = False) -> str:
 def error_table_html(cols, rows, below: str) -> str:
     """nbtool.plan.versus.error_cells's table (%dist_compare: the planner's error per run)."""
     return (_table(cols, rows, "nbtool-errors", judged=range(1, len(cols)))
-            + f"<p style='margin:2px 0'>{html.escape(below)}</p>")
+            + f"<p style='margin:2px 0;font-size:smaller'>{html.escape(below)}</p>")
