@@ -103,7 +103,8 @@ class Comparison:
                 "first run that has the figure" + ("; compile s = seconds torch.compile spent on rank 0 (dynamo's start to end callbacks), "
                                  "its steps left out of the step times" if any(r["compile_s"] for r in self.rows)
                                  else ""))
-        return (f"<table class='nbtool-compare' style='font-size:11px'><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return (f"<table class='nbtool-compare' style='font-size:11px'><thead><tr>{head}</tr></thead>"
+                f"<tbody>{body}</tbody></table>"
                 f"<p style='font-size:smaller'>{html.escape(note)}</p>")
 
     def figure(self) -> go.Figure:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import html
 
+from nbtool.plan.versus import error_cells
+
 OFF = "color:#c62828;font-weight:600"  # outside the stated tolerance
 OK = "color:#2e7d32"
 LEFT = "text-align:left;vertical-align:top;padding:2px 10px 2px 0"
@@ -44,15 +46,15 @@ def _table(cols, rows, css: str, caption: str = "", judged=(), wraps: int | None
             f"<thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>")
 
 
-def versus_html(result, deterministic: bool = False) -> str:
+def versus_html(result) -> str:
     """``result`` (a nbtool.plan.versus.Versus) as a table with its heading and notes."""
-    head, cols, cells = result.cells(deterministic)
-    notes = [] if deterministic else result.notes
+    head, cols, cells = result.cells()
     return _table(cols, cells, "nbtool-versus", head, judged=(3,), wraps=len(cols) - 1) + "".join(
-        f"<p style='margin:2px 0'>note: {html.escape(n)}</p>" for n in notes)
+        f"<p style='margin:2px 0'>note: {html.escape(n)}</p>" for n in result.notes)
 
 
-def error_table_html(cols, rows, below: str) -> str:
-    """nbtool.plan.versus.error_cells's table (%dist_compare: the planner's error per run)."""
+def error_table_html(results: list) -> str:
+    """The planner's error per run (``%dist_compare``): nbtool.plan.versus.error_cells as a table."""
+    cols, rows, below = error_cells(results)
     return (_table(cols, rows, "nbtool-errors", judged=range(1, len(cols)))
             + f"<p style='margin:2px 0;font-size:smaller'>{html.escape(below)}</p>")

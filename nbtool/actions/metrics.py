@@ -14,7 +14,7 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
 
     ``deterministic`` prints only the columns that do not vary between runs.
     """
-    from ..plan.versus import error_cells, error_table
+    from ..plan.versus import error_table
     from ..widgets import Comparison, show_figure
 
     calibration = None
@@ -35,7 +35,7 @@ def show_comparison(runs: list, in_kernel: bool, deterministic: bool = False, st
 
     display(comparison)
     if results:  # a table of its own, like the comparison's: as text its 120-character rows wrapped
-        display({"text/plain": error_table(results), "text/html": error_table_html(*error_cells(results))}, raw=True)
+        display({"text/plain": error_table(results), "text/html": error_table_html(results)}, raw=True)
     show_figure(comparison.figure())
     if any(r.timelines for r in runs):  # --memory-timeline runs: their timelines, one row per run
         from ..widgets.memory_timeline import timeline_figure
