@@ -50,11 +50,14 @@ COMPARE = TRAIN.replace("%%distributed ddp", "%%distributed compare ddp, fsdp --
 COMMBENCH = "res = %commbench all_reduce --sizes 4B:64KB --factor 4 --iters 1000 --warmup 1"
 PLAN = "%load_ext nbtool\n%dist_plan --model llama-2-7b --hardware a100-40gb"
 # the CUDA memory panel from recorded GPU figures (a CPU machine has none to measure)
-GPU_PANEL = """from nbtool.metrics import MemorySample, RunRecords
+GPU_PANEL = """from nbtool.metrics import CommRecord, MemorySample, RunRecords
 from nbtool.widgets import Dashboard, show_figure
 run = RunRecords("gpu", "ddp", 2, t_start=0.0)
 run.add([MemorySample(r, t, 0, "interval", rss=2**30, cuda_reserved=(t + 1) * 2**30,
                       driver_used=(t + 1) * 2**30 + 3 * 2**29) for r in range(2) for t in range(4)])
+# two bucket sizes 2x apart, both between 64 KiB and 1 MiB (powers of 16)
+run.add([CommRecord(r, i, "all_reduce", s, s, 2, "float32", 0.1 * i, 1e-3, "cuda_event", 0, busbw=s / 1e-3)
+         for r in range(2) for i, s in enumerate((120_000, 240_000))])
 dash = Dashboard(2, cuda=True)
 dash.refresh(run, force=True)
 show_figure(dash.static(run))"""
@@ -120,6 +123,12 @@ def test_live_dashboard_static_copies_interrupt_save_and_export(page):
     assert len(final) == 1 and sum(final[0]) >= counts[-1]
     title = lab.js("return document.querySelectorAll('.jp-Cell')[2].querySelector('.gtitle').textContent")
     assert "ddp:" in title and "optimizer steps" in title
+    # the bus-bandwidth panel names sizes on its axis, from one at or below the smallest collective to one
+    # at or above the largest (where they lay within 16x of each other, between two fixed powers of 16,
+    # the axis had named none)
+    _sizes_named_around_the_data(lab, 2)
+    assert lab.js("return document.querySelectorAll('.jp-Cell')[2].querySelector('.js-plotly-plot')"
+                  ".layout.annotations[2].text") == "loss (strategy.log)"  # it logged its loss
     # under the run, the planner's figures next to the measured ones (model states exact in fp32), as a
     # table whose columns hold within the output's width (as text its rows ran past it and wrapped)
     out = lab.output_text(2)
@@ -245,6 +254,32 @@ def _fits(lab, cell: int, css: str) -> bool:
                   cell, css)
 
 
+def _sizes_named_around_the_data(lab, cell: int) -> None:
+    """The dashboard's bus-bandwidth panel (x5) names a size at or below its smallest collective and one at
+    or above its largest."""
+    ticks, xs = lab.js("const c = document.querySelectorAll('.jp-Cell')[arguments[0]];"
+                       "return [Array.from(c.querySelectorAll('g.x5tick text')).map(t => t.textContent),"
+                       "c.querySelector('.js-plotly-plot').data.filter(t => t.xaxis === 'x5').flatMap(t => t.x)]",
+                       cell)
+    unit = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    named = [int(t.split()[0]) * unit[t.split()[1]] for t in ticks]
+    assert xs and len(named) >= 2 and named[0] <= min(xs) and named[-1] >= max(xs), (ticks, min(xs), max(xs))
+
+
+def _controls_outside(lab, cell: int) -> list[str]:
+    """The widget rows with a horizontal scrollbar, and the controls reaching past the right edge of the
+    output area, in cell ``cell``'s output (a row's own scrollbar hides them from the output's check)."""
+    return lab.js("""
+        const o = document.querySelectorAll('.jp-Cell')[arguments[0]].querySelector('.jp-OutputArea-output');
+        const right = o.getBoundingClientRect().right;
+        const rows = Array.from(o.querySelectorAll('.widget-box')).filter(b => b.scrollWidth > b.clientWidth + 1)
+            .map(b => 'row scrolls: ' + b.innerText.slice(0, 40));
+        const controls = Array.from(o.querySelectorAll('button.widget-button, select, input, .widget-label'))
+            .filter(e => e.offsetParent && e.getBoundingClientRect().right > right + 1)
+            .map(e => 'past the edge: ' + (e.innerText || e.tagName).slice(0, 40));
+        return rows.concat(controls);""", cell)
+
+
 def _export(path: Path, sanitize: bool) -> Path:
     out = path.with_name(f"{path.stem}-{'sanitized' if sanitize else 'plain'}.html")
     cmd = [sys.executable, "-m", "nbconvert", "--to", "html", str(path), "--output", out.stem,
@@ -290,10 +325,13 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
         const p = document.querySelectorAll('.jp-Notebook .jp-Cell')[3].querySelector('.js-plotly-plot');
         const pick = n => Array.from(p.data.find(t => t.name === n).y);
         return [pick('rank 0 reserved'), pick('rank 0 driver (NVML)'),
-                p.querySelector('.gtitle').textContent, p.layout.annotations[1].text];""")
-    reserved, driver, title, panel = lines
+                p.querySelector('.gtitle').textContent, p.layout.annotations[1].text, p.layout.annotations[2].text];""")
+    reserved, driver, title, panel, loss = lines
+    assert loss == "loss (strategy.log): none yet", lines  # no strategy.log(loss=...): the empty panel says so
     assert reserved == [1024, 2048, 3072, 4096] and [d - r for d, r in zip(driver, reserved)] == [1536] * 4, lines
     assert "outside PyTorch's allocator (driver minus reserved): rank 0 1.50 GiB" in title and panel.startswith("GPU")
+    # its two bucket sizes lie between two powers of 16: the axis names the sizes around them
+    _sizes_named_around_the_data(lab, 3)
 
     # the picker on CPU ranks that emulate bf16 says so above its ranking, as %dist_plan --text does;
     # at fp32 the note goes
@@ -338,15 +376,21 @@ def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
     bars = lab.plot_y(0)
     assert len(bars[0]) >= 8  # one bar per layout, each category stacked
     assert all(y > 0 for y in bars[5])  # cuBLAS's workspaces on every GPU (the sixth category)
+    # every bar of both charts is named under it (plotly drops names that would overlap)
+    names = lab.js("const c = document.querySelectorAll('.jp-Cell')[0];"
+                   "return [c.querySelectorAll('g.xtick text').length, c.querySelectorAll('g.x2tick text').length]")
+    assert names == [len(bars[0])] * 2, names
 
     lab.shot_output(0, "picker")
     # change an input in the page: the chart follows
     lab.set_select(0, "checkpointing", "full")
     lab.wait(lambda: lab.plot_y(0) != bars, 10, "the chart did not change after an input changed")
 
-    # the inputs are not clipped: no horizontal scrollbar in the output, labels whole
+    # the inputs are not clipped: no horizontal scrollbar in the output or in any row of it, every control
+    # (Apply too, whose row holds the longest line of all) inside the output area, labels whole
     assert lab.js("const o = document.querySelectorAll('.jp-Cell')[0].querySelector('.jp-OutputArea-output');"
                   "return o.scrollWidth <= o.clientWidth + 1")
+    assert _controls_outside(lab, 0) == []
     labels = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0]"
                     ".querySelectorAll('.widget-label')).filter(l => l.offsetParent)"
                     ".map(l => l.scrollWidth <= l.clientWidth + 1)")
@@ -381,6 +425,7 @@ def test_apply_writes_the_cell_in_notebook_7(page):
     before = set(lab.console_errors())
     lab.run_and_wait(0, 60)
     lab.wait(lambda: lab.plots(0) and sum(lab.plots(0)[0]) > 0, 20, "the picker chart has no bars (Notebook 7)")
+    assert _controls_outside(lab, 0) == []
     n = len(lab.cells())
     chosen = lab.selected(0, "run")
     button = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0].querySelectorAll('button'))"

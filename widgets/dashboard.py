@@ -22,7 +22,7 @@ from nbtool import run_analysis
 from nbtool.collectives import OPS
 from nbtool.metrics import LEDGER_CATEGORIES, RunRecords, format_bytes
 
-from .style import COLORS, bytes_ticks
+from .style import COLORS, bytes_range, bytes_ticks
 
 MIB = 2**20
 # short titles: three panels share JupyterLab's default notebook width (~900 px)
@@ -32,6 +32,8 @@ PANELS = (
 )
 LATENCY_PANEL = 3
 MEMORY_PANEL = 1
+LOSS_PANEL = 2
+NO_LOSS = "loss (strategy.log): none yet"  # an empty panel says why it is empty
 # the memory panel on CUDA ranks: the allocator's reserved bytes, and with NVML the driver's per-process
 # bytes; the gap between the two lines is the memory outside PyTorch's allocator
 CUDA_MEMORY_PANEL = "GPU (MiB): reserved, driver \u2504"
@@ -91,6 +93,8 @@ class Dashboard:
         fig.update_xaxes(title_font_size=10, title_standoff=2)
         vals, text = bytes_ticks(1, 2**32)
         fig.update_xaxes(type="log", title_text="S (bytes)", tickvals=vals, ticktext=text, row=2, col=2)
+        self._bus_axis = fig.get_subplot(2, 2).xaxis.plotly_name  # its ticks follow the sizes (refresh)
+        self._bus_span = None
         fig.update_xaxes(title_text="s since start", row=1, col=2)
         fig.update_xaxes(title_text="step", row=1, col=3)
         fig.update_xaxes(title_text="s since start", row=2, col=1)
@@ -151,10 +155,18 @@ class Dashboard:
                 traces[ncat + 3 * r + 2].x = [c.t_issue - t0 for c in lat]
                 traces[ncat + 3 * r + 2].y = [c.seconds * 1e3 for c in lat]
             base = ncat + 4 * n
+            sizes = []
             for i, name in enumerate(OPS[:-1]):
                 cs = [c for c in run.comms if c.op == name and c.size_bytes > 0 and c.seconds > 0]
                 traces[base + i].x = [c.size_bytes for c in cs]
                 traces[base + i].y = [c.busbw / 1e9 for c in cs]
+                sizes += [c.size_bytes for c in cs]  # (not the trace's x: batch_update applies it later)
+            if sizes and (min(sizes), max(sizes)) != self._bus_span:
+                # ticks around the sizes seen: a few sizes within 16x of each other fell between the
+                # fixed powers of 16, and the axis showed no size at all
+                self._bus_span = (min(sizes), max(sizes))
+                vals, text = bytes_ticks(*self._bus_span)
+                self.fig.layout[self._bus_axis].update(tickvals=vals, ticktext=text, range=bytes_range(vals))
             comm, other = (traces[i] for i in self._step_traces)
             comm.x = other.x = [s["step"] for s in steps]
             comm.y = [s["comm_s"] * 1e3 for s in steps]
@@ -162,6 +174,8 @@ class Dashboard:
             if self.pipeline:
                 self._refresh_bubble(run)
             self.fig.layout.annotations[LATENCY_PANEL].text = f"latency (ms): {op}"
+            logged = any("loss" in s.values for s in run.scalars)
+            self.fig.layout.annotations[LOSS_PANEL].text = PANELS[LOSS_PANEL] if logged else NO_LOSS
         self.status.value = self._status_html(run, spread)
         self.refreshes += 1
         return True

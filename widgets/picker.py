@@ -64,22 +64,26 @@ class Picker:
         self.seq = W.IntText(value=0, description="seq (0: model)", style=style, layout=lay())
         self.checkpointing = W.Dropdown(options=["none", "selective", "full"], value="none",
                                         description="checkpointing", style=style, layout=lay())
+        # grows into the row but may shrink below its longest option (a select is as wide as that by
+        # default, which pushed Apply out of JupyterLab's output area at a 1280 px window)
         self.choice = W.Dropdown(options=[], description="run", style={"description_width": "40px"},
-                                 layout=W.Layout(width="100%"))
+                                 layout=W.Layout(flex="1 1 auto", width="auto", min_width="0"))
         self.apply_button = W.Button(description="Apply: new cell below", button_style="primary",
                                      layout=W.Layout(width="190px", flex="0 0 auto"))
         self.export_path = W.Text(value="ds_config.json", description="config file", style=style, layout=lay())
         self.export_button = W.Button(description="Export DeepSpeed config", layout=W.Layout(width="210px"))
         self.message = W.HTML()
         self.ranking = W.HTML()
-        fig = make_subplots(rows=1, cols=2, column_widths=[0.62, 0.38],
+        # halves: at 0.62 / 0.38 the communication chart had room for every other layout's name only
+        fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.08,
                             subplot_titles=("predicted memory per device (GB)", "communication per step (bus GB)"))
         for cat, color in zip(CATEGORIES, COLORS):
             fig.add_trace(go.Bar(x=[], y=[], name=cat, marker_color=color), 1, 1)
         fig.add_trace(go.Scatter(x=[], y=[], mode="lines", name=f"usable ({1 - RESERVE:.0%} of device)",
                                  line=dict(color="black", dash="dash")), 1, 1)
         fig.add_trace(go.Bar(x=[], y=[], name="comm", marker_color="#19d3f3", showlegend=False), 1, 2)
-        fig.update_layout(barmode="stack", height=460, margin=dict(t=80, l=40, r=10, b=130), font_size=11,
+        # the legend's two rows sit below plotly's toolbar (at t=80 the toolbar covered "activations")
+        fig.update_layout(barmode="stack", height=490, margin=dict(t=110, l=40, r=10, b=130), font_size=11,
                           legend=dict(orientation="h", yanchor="bottom", y=1.1, x=0, font_size=10))
         fig.update_annotations(font_size=12)
         fig.update_xaxes(tickangle=-40, tickfont_size=10)
