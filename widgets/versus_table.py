@@ -23,18 +23,22 @@ def _error_style(text: str) -> str:
     return OFF if text.endswith(" off") or "(>" in text else ""
 
 
-def _table(cols, rows, css: str, caption: str = "", judged=(), wraps: int | None = None) -> str:
-    """A left-aligned table; ``judged``: the columns whose cells say ok / off; ``wraps``: the one
-    column whose text wraps (the others keep each cell on one line)."""
+def _table(cols, rows, css: str, caption: str = "", judged=(), notes: int | None = None, wrap=()) -> str:
+    """A left-aligned table; ``judged``: the columns whose cells say ok / off; ``notes``: the column that
+    explains each figure (smaller, and wrapped); ``wrap``: other columns of free text that may wrap (run
+    names: a pipeline's schedules ran the planner's errors 86 px past the output area); every other cell
+    keeps to one line."""
     head = "".join(f"<th style='{LEFT}'>{html.escape(c)}</th>" for c in cols)
     body = []
     for cells in rows:
         tds = []
         for i, c in enumerate(cells):
             style = LEFT
-            if i == 0:  # a sub-row's indent (its figure starts with spaces): kept as padding
+            if i in wrap:
+                style += ";min-width:8em"
+            elif i == 0:  # a sub-row's indent (its figure starts with spaces): kept as padding
                 style += f";padding-left:{(len(c) - len(c.lstrip())) // 2}em;white-space:nowrap"
-            elif i == wraps:  # what a figure is, explained: smaller, and at least wide enough to read
+            elif i == notes:  # what a figure is, explained: smaller, and at least wide enough to read
                 style += ";font-size:85%;color:#555;min-width:18em"
             else:
                 style += ";white-space:nowrap" + (";" + _error_style(c) if i in judged else "")
@@ -49,12 +53,12 @@ def _table(cols, rows, css: str, caption: str = "", judged=(), wraps: int | None
 def versus_html(result) -> str:
     """``result`` (a nbtool.plan.versus.Versus) as a table with its heading and notes."""
     head, cols, cells = result.cells()
-    return _table(cols, cells, "nbtool-versus", head, judged=(3,), wraps=len(cols) - 1) + "".join(
+    return _table(cols, cells, "nbtool-versus", head, judged=(3,), notes=len(cols) - 1) + "".join(
         f"<p style='margin:2px 0'>note: {html.escape(n)}</p>" for n in result.notes)
 
 
 def error_table_html(results: list) -> str:
     """The planner's error per run (``%dist_compare``): nbtool.plan.versus.error_cells as a table."""
     cols, rows, below = error_cells(results)
-    return (_table(cols, rows, "nbtool-errors", judged=range(1, len(cols)))
+    return (_table(cols, rows, "nbtool-errors", judged=range(1, len(cols) - 1), wrap=(0, len(cols) - 1))
             + f"<p style='margin:2px 0;font-size:smaller'>{html.escape(below)}</p>")
