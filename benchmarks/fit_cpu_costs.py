@@ -69,7 +69,7 @@ def _points(path: str, all_runs: bool) -> list[dict]:
         if (not all_runs and not d.get("median", True)) or d.get("sp_collectives"):
             continue  # sequence parallelism's own host term is fitted apart (sp_host)
         if _row(d["run"]) not in ROWS:
-            continue  # ZeRO in bf16: the planner takes its stage's row; not fitted
+            continue  # ZeRO in bf16 (the planner takes its stage's row), other pipeline schedules: not fitted
         half = "bf16" in d["run"]
         gflop = 6 * d["params"] * d["tokens"] / (d["tp"] * d["pp"]) / 1e9
         if half and not d.get("bf16_flops"):

@@ -72,10 +72,11 @@ SHAPES = {  # the model each shape builds (on every rank, from its config: nothi
 }
 DEFAULT_SHAPES = ("tutorial", "wide", "deep", "llama")
 STRATEGIES = ("ddp", "fsdp", "fsdp --precision bf16", "zero1", "zero2", "zero3", "tp", "tp --sp", "pp")
-# asked for by name only: the pipeline's host work per micro-batch (pp's default is 4 on 2 ranks); ZeRO in
-# bf16 (its memory: DeepSpeed's fp32 master copy and gradient partition beside the 16-bit weights)
-MORE = ("pp --microbatches 2", "pp --microbatches 8", "zero1 --precision bf16", "zero2 --precision bf16",
-        "zero3 --precision bf16")
+# asked for by name only: the pipeline's host work per micro-batch (pp's default is 4 on 2 ranks) and per
+# stage a rank runs (two under the interleaved and V schedules); ZeRO in bf16 (its memory: DeepSpeed's fp32
+# master copy and gradient partition beside the 16-bit weights)
+MORE = ("pp --microbatches 2", "pp --microbatches 8", "pp --schedule interleaved-1f1b", "pp --schedule zbv",
+        "zero1 --precision bf16", "zero2 --precision bf16", "zero3 --precision bf16")
 CELL = """%%distributed {line} --quiet --no-watch
 from nbtool.rank.example_models import SyntheticTokens, TinyTransformer, lm_loss
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM

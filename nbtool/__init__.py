@@ -58,7 +58,8 @@ def predicted_vs_measured(name: str | None = None, calibrate_on: str | None = No
         return None
     from .actions.plan import calibration_on, versus_for
 
-    return versus_for(magics.session, run, calibration_on(magics.session, calibrate_on) if calibrate_on else None)
+    return versus_for(magics.session, run, calibration_on(magics.session, magics.recorded_name(calibrate_on))
+                       if calibrate_on else None)
 
 
 def last_run(name: str | None = None):
@@ -79,6 +80,6 @@ def last_run(name: str | None = None):
     from .actions.metrics import stored_runs
 
     try:
-        return stored_runs(magics.session, [name])[0]
+        return stored_runs(magics.session, [magics.recorded_name(name)])[0]
     except UsageError:
         return None

@@ -14,7 +14,7 @@ from IPython.core.magic_arguments import parse_argstring as _parse_argstring
 
 from .options import (BACKENDS, LAUNCHERS, ClusterOptions, check_launch, format_ranks, parse_hosts, parse_int_list,
                       parse_rendezvous, parse_ranks, positive_int, positive_number, positive_seconds, rank_number,
-                      strategy_options_given, strategy_spec)
+                      strategy_options_given, strategy_spec, unchecked_spec)
 from .spec import ABSENT, OPTION_FIELDS, PRECISIONS, flag_name
 from .spec import GROUPS as OPTION_GROUPS
 from .spec import NAMES as STRATEGIES
@@ -151,6 +151,24 @@ class NbtoolMagics(Magics):
     @property
     def in_kernel(self) -> bool:
         return getattr(self.shell, "kernel", None) is not None
+
+    def recorded_name(self, text: str) -> str:
+        """The recorded run ``text`` refers to: the run of that name, else the one run whose line is the
+        %%distributed line ``text`` written another way (options in another order: the run of ``%%distributed
+        pp --schedule zbv --microbatches 4`` is named ``pp --microbatches 4 --schedule zbv``, nbtool's
+        order). ``text`` itself where neither is found: the lookup's error names it as written."""
+        from .actions.metrics import run_line
+        from .spec import SpecError, line_of
+
+        if text in self.session.runs:
+            return text
+        try:
+            args = parse_argstring(self.distributed, text)
+            line = line_of(unchecked_spec(args)) if args.strategy in STRATEGIES else None
+        except (UsageError, SpecError, ValueError, TypeError):  # not a strategy line
+            return text
+        same = [n for n, r in self.session.runs.items() if run_line(r) == line]
+        return same[0] if len(same) == 1 else text
 
     def _require_cluster(self):
         if self.rank_cluster is None or not self.rank_cluster.running:
@@ -348,11 +366,12 @@ class NbtoolMagics(Magics):
 
         args = parse_argstring(self.dist_compare, line)
         names = [n.strip("\"'") for n in args.names]  # magic_arguments keeps quotes
-        twice = next((n for i, n in enumerate(names) if n in names[:i]), None)
+        runs = [self.recorded_name(n) for n in names]
+        twice = next((n for i, n in enumerate(names) if runs[i] in runs[:i]), None)
         if twice is not None:
             raise UsageError(f"{twice!r} is listed twice")
-        on = _unquoted(args.calibrate_on) if args.calibrate_on else None
-        actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, names), self.in_kernel,
+        on = self.recorded_name(_unquoted(args.calibrate_on)) if args.calibrate_on else None
+        actions.metrics.show_comparison(actions.metrics.stored_runs(self.session, runs), self.in_kernel,
                                         args.deterministic, self.session, on)
 
     @magic_arguments()
@@ -378,7 +397,7 @@ class NbtoolMagics(Magics):
         if args.action == "load":
             print(actions.metrics.load_run(self.session, _unquoted(args.path), name))
             return
-        print(actions.metrics.export_run(self.session, args.path, name))
+        print(actions.metrics.export_run(self.session, args.path, name and self.recorded_name(name)))
 
     @magic_arguments()
     @argument("ranks", help="rank(s) to run on, e.g. 0 or 0,2-3")
@@ -509,7 +528,8 @@ class NbtoolMagics(Magics):
         from . import actions
 
         args = parse_argstring(self.dist_plan, line)
-        names = {n: _unquoted(v) for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on)) if v}
+        names = {n: self.recorded_name(_unquoted(v)) for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on))
+                 if v}
         if args.vs_last and "--vs" in names:
             raise UsageError(f"--vs {names['--vs']!r} and --vs-last: give one (--vs-last is the last run)")
         if args.vs_last or "--vs" in names:

@@ -256,11 +256,9 @@ def strategy_spec(args, backend: str | None, device_kind: str, world_size: int |
     One loop over the option table (nbtool.spec): an option the line left out
     keeps the field's default.
     """
-    from .spec import OPTION_FIELDS, SpecError, StrategySpec, validate
+    from .spec import SpecError, validate
 
-    values = {f.name: CONVERT.get(f.metadata["argparse"].get("type"), lambda v: v)(getattr(args, f.name))
-              for f in OPTION_FIELDS if getattr(args, f.name) is not None}
-    spec = StrategySpec(name=args.strategy, **values)
+    spec = unchecked_spec(args)
     try:
         validate(spec, backend, device_kind, world_size)
     except SpecError as e:
@@ -268,6 +266,16 @@ def strategy_spec(args, backend: str | None, device_kind: str, world_size: int |
     if args.export_config and not spec.is_zero:
         raise UsageError(f"--export-config writes a DeepSpeed config; it applies to zero1, zero2, zero3, not {spec.name}")
     return spec
+
+
+def unchecked_spec(args):
+    """The StrategySpec parsed %%distributed arguments ask for, not checked against a cluster (to name a
+    recorded run by its line)."""
+    from .spec import OPTION_FIELDS, StrategySpec
+
+    values = {f.name: CONVERT.get(f.metadata["argparse"].get("type"), lambda v: v)(getattr(args, f.name))
+              for f in OPTION_FIELDS if getattr(args, f.name) is not None}
+    return StrategySpec(name=args.strategy, **values)
 
 
 # the run options' values when absent (they are not spec fields)

@@ -109,6 +109,16 @@ def steady_steps(run: RunRecords, rank: int = 0) -> list[dict]:
     return [s for s in table if s["step"] not in compiled] or table
 
 
+def schedule_idle(run: RunRecords, rank: int = 0) -> dict[int, float]:
+    """Per optimizer step of a pipeline run, the seconds ``rank``'s schedule spent outside its stage's
+    forward and backward (waits for the neighbouring stages, sends, receives, the schedule's own work)."""
+    idle: dict[int, float] = defaultdict(float)
+    for p in run.pipeline:
+        if p.rank == rank:
+            idle[p.step] += p.idle_s
+    return dict(idle)
+
+
 def summary(run: RunRecords) -> dict:
     """The comparison row for a run (rank 0 for per-step figures, all ranks for memory).
 

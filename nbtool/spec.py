@@ -63,6 +63,13 @@ def stage_indices(rank: int, pp: int, virtual: int, schedule: str) -> list[int]:
     return [rank + v * pp for v in range(virtual)]
 
 
+def stage_actions(virtual: int, schedule: str) -> float:
+    """Stage computations a rank runs per micro-batch, relative to 1F1B's forward and backward: one pair
+    per stage it holds, and a third (the weight gradients, apart from the input gradients) under the zero
+    bubble schedules."""
+    return virtual * (1.5 if schedule in ("interleaved-zb", "zbv") else 1.0)
+
+
 def first_rank_hops(pp: int, virtual: int, schedule: str) -> int:
     """Stage boundaries between two ranks that pipeline rank 0 sends or receives across: each
     carries M activations one way and M gradients back. 1 with one stage per rank; for 2 ranks x 2

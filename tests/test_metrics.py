@@ -250,6 +250,19 @@ def test_a_run_of_other_options_keeps_the_run_before_it(ranks, capsys):
     assert rows == ["zero1", "zero1 --reduce-bucket-mb 1", "zero1 --reduce-bucket-mb 2"], rows
     with pytest.raises(UsageError, match=r"no run named 'zero1 --reduce-bucket-mb 3'; recorded runs: .*'zero1 --reduce-bucket-mb 1'"):
         ranks.run_line_magic("dist_compare", '"zero1 --reduce-bucket-mb 3"')
+    # a run is named by nbtool's order of its options; written in another order (or spelled 4.0) it is the
+    # same line: %dist_compare, --vs, --calibrate-on and nbtool.last_run find it
+    both = record(ranks, "zero1 --reduce-bucket-mb 4 --overlap-comm")
+    assert both.name == "zero1 --overlap-comm --reduce-bucket-mb 4", both.name
+    swapped = "zero1 --reduce-bucket-mb 4.0 --overlap-comm"
+    assert nbtool.last_run(swapped) is both
+    capsys.readouterr()
+    ranks.run_line_magic("dist_compare", f'"{swapped}" zero1 --calibrate-on "{swapped}" --deterministic')
+    assert capsys.readouterr().out.splitlines()[1].startswith("zero1 --overlap-comm --reduce-bucket-mb 4 ")
+    ranks.run_line_magic("dist_plan", f'--vs "{swapped}" --deterministic')
+    assert "predicted vs measured, run 'zero1 --overlap-comm --reduce-bucket-mb 4'" in capsys.readouterr().out
+    with pytest.raises(UsageError, match="'zero1 --reduce-bucket-mb 4.0 --overlap-comm' is listed twice"):
+        ranks.run_line_magic("dist_compare", f'"zero1 --overlap-comm --reduce-bucket-mb 4" "{swapped}"')
 
 
 def test_load_names_fields_this_build_does_not_know(tmp_path):

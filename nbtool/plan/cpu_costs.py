@@ -132,9 +132,10 @@ COLLECTIVES = {
 # beyond the table above, 0.13-0.26 x the step's compute for tp (the median by model shape, 5 shapes),
 # for pp 0.16-0.25 on TinyTransformer's shapes and 0.31-0.40 on GPT-2's and the Llama's (whose last
 # stage measured up to 30% slower than the first: rank 0 waits for it), beyond theory's bubble; a
-# pipeline's time outside compute is its comm busy time (a stage waits out the bubble in a receive:
-# nbtool.plan.versus.measured_compute_s). Per row, the median over its runs (tp 19, pp 19, of the same
-# sets) of (step time less measured compute - the link's time and the bubble) / predicted compute,
+# pipeline's time outside compute was then its comm busy time (now its schedule's idle time:
+# nbtool.plan.versus.measured_compute_s, about 5% more compute on 1F1B; this machine's runs would fit
+# pp 0.18 so, 0.28 the old way: kept with the host constants fitted beside it). Per row, the median
+# over its runs (tp 19, pp 19, of the same sets) of (step time less measured compute - the link's time and the bubble) / predicted compute,
 # fitted by ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
 # where the ranks meet anyway, and the table's fit already holds their wait.
 SYNC_WAIT = {"tp": 0.19, "pp": 0.24}
@@ -158,15 +159,18 @@ def _row(layout: Layout, precision: str) -> str:
 
 
 def step_s(layout: Layout, precision: str, gflop: float, tensors: float, host_speed: float = 1.0,
-           bf16_flops: float | None = None, microbatches: int = 1) -> float:
+           bf16_flops: float | None = None, microbatches: int = 1, actions: float = 1.0) -> float:
     """Seconds per step outside communication (bubble excluded) on CPU ranks ``host_speed`` x the
     reference's, for ``gflop`` and ``tensors`` per rank and ``microbatches`` a step (a pipeline's
     stage runs its tensors' forward and backward once per micro-batch; only its row has terms for
-    them); ``bf16_flops``: where the ranks measured it (nbtool.rank.matmul_probe), a bf16 run's
-    FLOPs take their time at that rate, unscaled."""
+    them); ``actions``: a pipeline rank's stage computations per micro-batch over 1F1B's
+    (nbtool.spec.stage_actions: two stages per rank run twice the schedule's own work per micro-batch;
+    on 2 CPU ranks, 4 micro-batches, interleaved 1F1B's step outside its idle time measured 7.5 ms over
+    1F1B's 21.0, ZB-V's 16.1 ms over); ``bf16_flops``: where the ranks measured it
+    (nbtool.rank.matmul_probe), a bf16 run's FLOPs take their time at that rate, unscaled."""
     row = _row(layout, precision)
     host = ((S_PER_TENSOR[row] + S_PER_TENSOR_MICROBATCH.get(row, 0.0) * microbatches) * tensors
-            + S_PER_MICROBATCH.get(row, 0.0) * microbatches)
+            + S_PER_MICROBATCH.get(row, 0.0) * microbatches * actions)
     if precision == "bf16" and bf16_flops:
         return host_speed * host + gflop * 1e9 / bf16_flops
     per_gflop = S_PER_GFLOP_16BIT if precision in ("bf16", "fp16") else S_PER_GFLOP

@@ -122,7 +122,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..spec import bubble_fraction, first_rank_hops
+from ..spec import bubble_fraction, first_rank_hops, stage_actions
 from . import cpu_costs
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
@@ -450,7 +450,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
         e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed,
-                                       hw.bf16_flops, t.grad_accum)
+                                       hw.bf16_flops, t.grad_accum, stage_actions(virtual, schedule))
     else:
         e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
 
