@@ -926,6 +926,12 @@ def test_a_tiny_models_miss_names_the_range_the_cost_model_was_fitted_on(ip, clu
     lo, hi = cpu_costs.FITTED_GFLOP
     assert "this model's run is outside what those ratios were fitted on: GFLOP " in note, note
     assert f"per rank per step (fitted on {lo:g}-{hi:g})" in note and "if it stays off, it is the model" in note
+    # %dist_compare's error table marks its step time, and says why below (its rows hold no notes)
+    from nbtool.plan.versus import ROUGH, error_cells
+
+    _, cells, below = error_cells([v, versus(runs["ddp"], hw, "this run")])
+    assert [row[4].endswith(ROUGH) for row in cells] == [True, True], cells
+    assert f"{ROUGH.strip()} a model outside what the CPU ranks' cost model was fitted on ({lo:g}-{hi:g} GFLOP" in below
 
 
 def test_a_calibration_run_in_a_slow_spell_is_named_beside_the_next_run(ip, cluster, capsys):

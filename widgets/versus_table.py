@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import html
 
-from nbtool.plan.versus import error_cells
+from nbtool.plan.versus import ROUGH, error_cells
 
 OFF = "color:#c62828;font-weight:600"  # outside the stated tolerance
 OK = "color:#2e7d32"
@@ -18,6 +18,7 @@ LEFT = "text-align:left;vertical-align:top;padding:2px 10px 2px 0"
 
 
 def _error_style(text: str) -> str:
+    text = text.removesuffix(ROUGH)
     if text.endswith(" ok"):
         return OK
     return OFF if text.endswith(" off") or "(>" in text else ""

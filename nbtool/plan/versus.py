@@ -63,6 +63,7 @@ class Versus:
     notes: list = field(default_factory=list)
     run: object = field(default=None, repr=False, compare=False)  # the RunRecords predicted
     calibrated_on: str | None = None  # the name of the run the hardware was calibrated on (None: itself or none)
+    outside_fit: str = ""  # CPU ranks: where the model lies outside what cpu_costs was fitted on (its times rougher)
 
     def row(self, figure: str) -> Row:
         return next(r for r in self.rows if r.figure == figure)
@@ -121,7 +122,8 @@ def error_cells(results: list, deterministic: bool = False) -> tuple[tuple, list
         for f in figures:
             r = v.row(f)
             row.append("-" if r.error is None else _percent(r.error)
-                       + ("" if r.within is None else " ok" if r.within else " off"))
+                       + ("" if r.within is None else " ok" if r.within else " off")
+                       + (ROUGH if f == "step time" and v.outside_fit else ""))
         if not deterministic:  # times depend on the calibration: which run's
             row.append(repr(v.calibrated_on) if v.calibrated_on is not None else "itself")
         cells.append(row)
@@ -129,8 +131,26 @@ def error_cells(results: list, deterministic: bool = False) -> tuple[tuple, list
         () if deterministic else ("calibrated on",))
     tol = ", ".join(f"{f} {TOLERANCE[f]:.0%}" for f in figures)
     median = "" if deterministic else "; step time: against the median of steps 2..N"
-    return cols, cells, (f"ok / off: within / outside the tolerance ({tol}){median}; "
+    rough = "" if deterministic or not any(v.outside_fit for v in results) else (
+        f"; {ROUGH.strip()} a model outside what the CPU ranks' cost model was fitted on "
+        f"({cpu_costs.FITTED_GFLOP[0]:g}-{cpu_costs.FITTED_GFLOP[1]:g} GFLOP and {cpu_costs.FITTED_TENSORS[0]}-"
+        f"{cpu_costs.FITTED_TENSORS[1]} parameter tensors per rank per step), where its ratios between strategies "
+        "are rougher")
+    return cols, cells, (f"ok / off: within / outside the tolerance ({tol}){median}{rough}; "
                          "%dist_plan --vs NAME for a run's figures")
+
+
+ROUGH = " *"  # marks a step time predicted for a model outside the CPU cost model's fitted range
+
+
+def _outside_fit(run) -> str:
+    """CPU ranks: where ``run``'s model lies outside what nbtool.plan.cpu_costs was fitted on, that
+    sentence (a tiny model's ratios between strategies are rougher); else ""."""
+    if not ran_on_cpu(run):
+        return ""
+    _, shape, training, tp, pp = planner_inputs(run)
+    tokens = step_tokens(shape, training)
+    return cpu_costs.outside_fit(6 * shape.params * tokens / (tp * pp) / 1e9, len(shape.numels) / pp)
 
 
 def error_table(results: list, deterministic: bool = False) -> str:
@@ -658,7 +678,8 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
         notes += _host_speed_note(run, hs, calibrated_on)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
-    return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run, calibrated_on=calibrated_on)
+    return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run, calibrated_on=calibrated_on,
+                  outside_fit=_outside_fit(run))
 
 
 def _step_note(rows: list) -> tuple[str, str | None]:
@@ -706,9 +727,7 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> lis
     head = (f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
             f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs)")
-    _, shape, training, tp, pp = planner_inputs(run)
-    tokens = step_tokens(shape, training)
-    outside = cpu_costs.outside_fit(6 * shape.params * tokens / (tp * pp) / 1e9, len(shape.numels) / pp)
+    outside = _outside_fit(run)
     if outside:  # a tiny model's step: its ratios between strategies are not what the fit saw (a slow
         # spell may add to it; only a rerun tells)
         return [f"{head}; this model's run is outside what those ratios were fitted on: {outside}, where they "
