@@ -926,6 +926,13 @@ def test_a_tiny_models_miss_names_the_range_the_cost_model_was_fitted_on(ip, clu
     lo, hi = cpu_costs.FITTED_GFLOP
     assert "this model's run is outside what those ratios were fitted on: GFLOP " in note, note
     assert f"per rank per step (fitted on {lo:g}-{hi:g})" in note and "if it stays off, it is the model" in note
+    # a model inside the fit predicted from the tiny one's calibration: the note names the calibration run's
+    # model (a rerun of either cell would not help), not a slow spell
+    inside = _tutorial_runs(ip, ("zero3",))["zero3"]
+    w = versus(inside, replace(hw, host_speed=3 * hw.host_speed), "run 'ddp'", "ddp", runs["ddp"])
+    (theirs,) = [n for n in w.notes if "implies a host" in n]
+    assert "the calibration run's model is outside what those ratios were fitted on: GFLOP " in theirs, theirs
+    assert "--calibrate-on NAME" in theirs and "machine may have run" not in theirs, theirs
     # %dist_compare's error table marks its step time, and says why below (its rows hold no notes)
     from nbtool.plan.versus import ROUGH, error_cells
 

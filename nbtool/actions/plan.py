@@ -357,7 +357,7 @@ def versus_for(state: Session, run, calibration: tuple | None = None):
                                          else "communication is the link fit of its own collectives)"))
     if state.commbench is not None and "all_reduce" in state.commbench.fits:
         hw, source = hw.with_commbench(state.commbench), source + "; link from %commbench"
-    return versus(run, hw, source, on)
+    return versus(run, hw, source, on, calibration[2] if on is not None else None)
 
 
 def after_run(state: Session, run, show: bool, in_kernel: bool = False) -> None:

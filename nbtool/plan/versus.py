@@ -576,9 +576,11 @@ def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> 
     return estimate(layout, shape, training, hw, tp=tp, pp=pp, **{**options, **changes})
 
 
-def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = None) -> Versus:
+def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = None,
+           calibration_run=None) -> Versus:
     """Each figure of ``run`` next to the planner's prediction with ``hw`` (see the module docstring);
-    ``calibrated_on``: the name of the run ``hw`` was calibrated on, which a note may name."""
+    ``calibrated_on``: the name of the run ``hw`` was calibrated on, which a note may name;
+    ``calibration_run``: that run, whose model a note may say is outside the CPU cost model's fit."""
     from ..metrics import format_bytes
 
     layout, shape, training, tp, pp = planner_inputs(run)
@@ -675,7 +677,7 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     note, term = _step_note(rows)
     rows[i] = replace(rows[i], note=rows[i].note or note)
     if term == "compute" and ran_on_cpu(run) and (hs := hw.host_speed):
-        notes += _host_speed_note(run, hs, calibrated_on)
+        notes += _host_speed_note(run, hs, calibrated_on, calibration_run)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run, calibrated_on=calibrated_on,
@@ -712,13 +714,16 @@ def step_tokens(shape: ModelShape, training: Training) -> int:
     return training.micro_batch * sequence(shape, training)[0] * training.grad_accum
 
 
-def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> list:
+def _host_speed_note(run, speed: float, calibrated_on: str | None = None, calibration_run=None) -> list:
     """CPU ranks, compute off: the host speed this run implies next to the calibration's (``speed``).
     A factor 1.5 between them is beyond what the model's ratios between strategies missed by on the
     runs it was checked on (cpu_costs.RATIOS_CHECKED), so it points at a machine
     whose speed changed between the two runs (CI once ran a ddp cell at 2.7x this machine's typical
     time and the zero3 cell after it at 1.3x), which only running them again tells apart. With the
-    calibration run's name (``calibrated_on``) it gives the line that predicts this run from a rerun."""
+    calibration run's name (``calibrated_on``) it gives the line that predicts this run from a rerun. A model
+    outside what the cost model was fitted on, this run's or the calibration run's (``calibration_run``),
+    is named instead: notebook 06 calibrated a pipeline on a 32-wide tp run, whose host speed was 0.38x the
+    pipeline's own, and the note had put that on the machine."""
     own = calibrate(run, host_speed=speed).host_speed  # a bf16 run dominated by its FLOPs keeps ``speed``
     if not own or own == speed or 1 / 1.5 < own / speed < 1.5:
         return []
@@ -732,6 +737,10 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None) -> lis
         # spell may add to it; only a rerun tells)
         return [f"{head}; this model's run is outside what those ratios were fitted on: {outside}, where they "
                 f"are rougher; run both cells again: if it stays off, it is the model{again}"]
+    if calibration_run is not None and (theirs := _outside_fit(calibration_run)):  # a rerun would not help
+        return [f"{head}; the calibration run's model is outside what those ratios were fitted on: {theirs}, "
+                f"where they are rougher; predict this run from a larger model's run: %dist_plan --vs "
+                f"{quoted(run.name)} --calibrate-on NAME"]
     return [f"{head}, so the machine may have run at another speed in one of the two runs; run both cells again: "
             f"a machine's slow spell moves one of them, a model that is off stays off{again}"]
 
