@@ -397,10 +397,21 @@ def test_picker_chart_follows_inputs_and_apply_writes_the_cell(page):
     assert labels and all(labels)
     assert "params (B)" not in lab.output_text(0)  # only shown for a custom model
 
+    # the chosen line is shown whole under the dropdown (which cuts it at its width), and follows a choice
+    shown = "const c = document.querySelectorAll('.jp-Cell')[0].querySelector('.nbtool-chosen');" \
+            "return c ? c.innerText : null"
+    options = lab.js("return Array.from(arguments[0].options).map(o => o.text.replace(/\u00a0/g, ' '))",
+                     lab._dropdown(0, "run"))
+    assert len(options) >= 2, options
+    lab.set_select(0, "run", options[1])
+    lab.wait(lambda: lab.js(shown) == options[1][options[1].index("%%distributed"):], 10,
+             "the chosen line under the dropdown did not follow the choice")
+
     # Apply: a new cell right below the picker holds exactly the chosen line, within 2 s
     n = len(lab.cells())
     chosen = lab.selected(0, "run")
     line = chosen[chosen.index("%%distributed"):]
+    assert lab.js(shown) == line
     button = lab.js("return Array.from(document.querySelectorAll('.jp-Cell')[0].querySelectorAll('button'))"
                     ".find(b => b.innerText.startsWith('Apply'))")
     t0 = time.monotonic()

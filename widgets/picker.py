@@ -73,6 +73,9 @@ class Picker:
         self.export_path = W.Text(value="ds_config.json", description="config file", style=style, layout=lay())
         self.export_button = W.Button(description="Export DeepSpeed config", layout=W.Layout(width="210px"))
         self.message = W.HTML()
+        # the chosen line whole, wrapped: the dropdown shows as much of it as its width holds (a 7B model's
+        # FSDP line ends "--activa" at a 1280 px window)
+        self.chosen = W.HTML()
         self.ranking = W.HTML()
         # halves: at 0.62 / 0.38 the communication chart had room for every other layout's name only
         fig = make_subplots(rows=1, cols=2, column_widths=[0.5, 0.5], horizontal_spacing=0.08,
@@ -99,12 +102,13 @@ class Picker:
         self.apply_button.on_click(lambda _: self.apply())
         self.export_button.on_click(lambda _: self.export())
         self.model.observe(lambda _: self._show_custom(), names="value")
+        self.choice.observe(lambda _: self._show_chosen(), names="value")
         # inputs in a grid above a full-width chart: fits JupyterLab's default width and wider ones
         inputs = W.GridBox([self.model, self.custom_params, self.hardware, self.devices, self.memory,
                             self.precision, self.micro_batch, self.seq, self.checkpointing],
                            layout=W.Layout(grid_template_columns="repeat(auto-fill, minmax(255px, 1fr))",
                                            width="100%"))
-        actions = W.VBox([W.HBox([self.choice, self.apply_button], layout=W.Layout(width="100%")),
+        actions = W.VBox([W.HBox([self.choice, self.apply_button], layout=W.Layout(width="100%")), self.chosen,
                           W.HBox([self.export_path, self.export_button]), self.message])
         self.widget = W.VBox([inputs, self.fig, self.ranking, actions], layout=W.Layout(width="100%"))
         self._show_custom()
@@ -173,6 +177,7 @@ class Picker:
         self._runnable = runnable
         self.choice.options = options
         self.choice.value = 0 if options else None
+        self._show_chosen()  # the value may stay 0 while the line at 0 changed
         items = "".join(f"<li>{html.escape(line)}</li>" for line in rec.lines())
         # CPU ranks that emulate bf16: say so above the ranking, with fp32's predicted step
         note = emulated_bf16_note(shape, training, hw, rec)
@@ -181,6 +186,11 @@ class Picker:
             note = f"<p class='nbtool-measured' style='font-size:smaller'>{html.escape(self.measured)}</p>" + note
         self.ranking.value = f"{note}<ol style='font-size:smaller'>{items}</ol>"
         self.updates += 1
+
+    def _show_chosen(self) -> None:
+        line = self.apply_line()
+        self.chosen.value = ("" if line is None else "<code class='nbtool-chosen' style='white-space:pre-wrap;"
+                             f"font-size:smaller;margin-left:48px'>{html.escape(line)}</code>")
 
     # -- actions ---------------------------------------------------------------
     def selected(self):
