@@ -528,8 +528,8 @@ class NbtoolMagics(Magics):
         from . import actions
 
         args = parse_argstring(self.dist_plan, line)
-        names = {n: self.recorded_name(_unquoted(v)) for n, v in (("--vs", args.vs), ("--calibrate-on", args.calibrate_on))
-                 if v}
+        given = (("--vs", args.vs), ("--calibrate-on", args.calibrate_on))
+        names = {n: self.recorded_name(_unquoted(v)) for n, v in given if v}
         if args.vs_last and "--vs" in names:
             raise UsageError(f"--vs {names['--vs']!r} and --vs-last: give one (--vs-last is the last run)")
         if args.vs_last or "--vs" in names:

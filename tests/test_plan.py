@@ -559,7 +559,8 @@ def test_a_pipelines_host_work_grows_with_its_micro_batches_on_cpu_ranks_only():
     one = estimate("pp", m, t, cpu, pp=2).compute_s
     stage = cpu_costs.S_PER_MICROBATCH["pp"] * 4 * cpu.host_speed
     for schedule, more in (("interleaved-1f1b", 1.0), ("interleaved-zb", 2.0), ("zbv", 2.0)):
-        assert estimate("pp", m, t, cpu, pp=2, schedule=schedule, virtual=2).compute_s == pytest.approx(one + more * stage)
+        got = estimate("pp", m, t, cpu, pp=2, schedule=schedule, virtual=2).compute_s
+        assert got == pytest.approx(one + more * stage), schedule
     assert estimate("pp", m, t, gpu, pp=2, schedule="zbv", virtual=2).compute_s == pytest.approx(g[4])
 
 

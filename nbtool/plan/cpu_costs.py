@@ -135,9 +135,10 @@ COLLECTIVES = {
 # pipeline's time outside compute was then its comm busy time (now its schedule's idle time:
 # nbtool.plan.versus.measured_compute_s, about 5% more compute on 1F1B; this machine's runs would fit
 # pp 0.18 so, 0.28 the old way: kept with the host constants fitted beside it). Per row, the median
-# over its runs (tp 19, pp 19, of the same sets) of (step time less measured compute - the link's time and the bubble) / predicted compute,
-# fitted by ``benchmarks/fit_cpu_costs.py``; data parallelism's blocking collectives come after backward,
-# where the ranks meet anyway, and the table's fit already holds their wait.
+# over its runs (tp 19, pp 19, of the same sets) of (step time less measured compute - the link's time
+# and the bubble) / predicted compute, fitted by ``benchmarks/fit_cpu_costs.py``; data parallelism's
+# blocking collectives come after backward, where the ranks meet anyway, and the table's fit already
+# holds their wait.
 SYNC_WAIT = {"tp": 0.19, "pp": 0.24}
 
 # Sequence parallelism's host work per all-gather or reduce-scatter (DTensor's redistribute: dispatch,
