@@ -327,7 +327,7 @@ def test_memory_timeline_plot_shows_each_ranks_categories(page):
         return [pick('rank 0 reserved'), pick('rank 0 driver (NVML)'),
                 p.querySelector('.gtitle').textContent, p.layout.annotations[1].text, p.layout.annotations[2].text];""")
     reserved, driver, title, panel, loss = lines
-    assert loss == "loss (strategy.log): none yet", lines  # no strategy.log(loss=...): the empty panel says so
+    assert loss == "loss (strategy.log): none logged", lines  # no strategy.log(loss=...): the empty panel says so
     assert reserved == [1024, 2048, 3072, 4096] and [d - r for d, r in zip(driver, reserved)] == [1536] * 4, lines
     assert "outside PyTorch's allocator (driver minus reserved): rank 0 1.50 GiB" in title and panel.startswith("GPU")
     # its two bucket sizes lie between two powers of 16: the axis names the sizes around them

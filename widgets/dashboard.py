@@ -34,6 +34,7 @@ LATENCY_PANEL = 3
 MEMORY_PANEL = 1
 LOSS_PANEL = 2
 NO_LOSS = "loss (strategy.log): none yet"  # an empty panel says why it is empty
+NO_LOSS_LOGGED = "loss (strategy.log): none logged"  # and once the run has ended (the static copy)
 # the memory panel on CUDA ranks: the allocator's reserved bytes, and with NVML the driver's per-process
 # bytes; the gap between the two lines is the memory outside PyTorch's allocator
 CUDA_MEMORY_PANEL = "GPU (MiB): reserved, driver \u2504"
@@ -229,6 +230,8 @@ class Dashboard:
         fits the figure's width.
         """
         fig = go.Figure(self.fig)
+        if fig.layout.annotations[LOSS_PANEL].text == NO_LOSS:
+            fig.layout.annotations[LOSS_PANEL].text = NO_LOSS_LOGGED
         if run is not None:
             title = wrap_title(f"{run.name}: {self.status_text(run)}")
             fig.update_layout(title=dict(text=title, font_size=12, yref="container", y=1, yanchor="top",
