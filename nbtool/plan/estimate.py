@@ -122,7 +122,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..spec import bubble_fraction, first_rank_hops, stage_actions
+from ..spec import bubble_fraction, first_rank_held, first_rank_hops, stage_actions
 from . import cpu_costs
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
@@ -373,10 +373,11 @@ def _fused_qkv(m: ModelShape) -> bool:
 
 
 def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool = True,
-                autocast: bool = False) -> float:
+                autocast: bool = False, held: float = 1.0) -> float:
     """Peak activation bytes on the busiest device, at backward's start (see the module docstring).
     ``autocast``: 16-bit compute over fp32 weights (torch.autocast), which saves a 16-bit copy of every
-    weight a matmul uses and keeps the residual stream in fp32."""
+    weight a matmul uses and keeps the residual stream in fp32. ``held``: a pipeline schedule's layers'
+    worth of activations on its first rank over 1F1B's (nbtool.spec.first_rank_held)."""
     if not (m.layers and m.hidden and m.heads and (t.seq or m.seq)):
         return 0.0
     cast = autocast and t.precision != "fp32"  # 16-bit compute over fp32 weights
@@ -386,7 +387,7 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
     # (nll's, then log_softmax's), alive together as backward starts: 12 bytes x s b V, whole on every
     # tp rank (nbtool's tp keeps the head replicated: measured, the full s b V on each)
     head = s * b * (m.vocab or 0) * 12
-    out = m.layers * per_layer + head  # 1F1B: the first stage holds L layers' worth
+    out = m.layers * per_layer * held + head  # 1F1B: the first stage holds L layers' worth
     fp32 = t.precision == "fp32"
     if m.gated_mlp and t.checkpointing != "full" and pp == 1:
         # the final RMSNorm (as a layer's) and the head's input (16-bit under autocast), whole on every tp rank
@@ -437,7 +438,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     numels = list(m.numels) or [psi]
     largest = m.largest_layer or 0
     frac = (n - 1) / n if n > 1 else 0.0
-    act = activations(m, t, tp, pp, sp, autocast=mixed and (layout == DDP or bool(layout.mesh)))
+    held = first_rank_held(pp, virtual, t.grad_accum, schedule) if pp > 1 else 1.0
+    act = activations(m, t, tp, pp, sp, autocast=mixed and (layout == DDP or bool(layout.mesh)), held=held)
     e.device["activations"] = act
     if hw.workspace:  # cuBLAS's workspaces, from the same allocator as the tensors (nbtool.plan.inputs)
         e.device["workspace"] = hw.workspace
