@@ -151,8 +151,9 @@ def current_costs() -> dict:
 def sync_wait(paths: list[str]) -> dict:
     """{row: the median over its runs of (the step's time outside compute measured - the planner's link
     time and bubble) / predicted compute} for the rows cpu_costs.SYNC_WAIT holds (every run: one strategy's runs
-    scatter too much for its median run alone). Outside compute: tp's blocked time; a pipeline's comm
-    busy time, as its compute is measured (nbtool.plan.versus.measured_compute_s)."""
+    scatter too much for its median run alone). Outside compute: tp's blocked time; a pipeline's
+    schedule's idle time, as its compute is measured (nbtool.plan.versus.measured_compute_s; SYNC_WAIT's
+    pp row was fitted when that was its comm busy time)."""
     out: dict = {}
     for path in paths:
         for d in json.load(open(path)):

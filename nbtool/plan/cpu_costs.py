@@ -13,8 +13,9 @@ term is
 
 with the constants below fitted by ``benchmarks/fit_cpu_costs.py`` to the
 time outside communication (``nbtool.plan.versus.measured_compute_s``: step
-time less the time blocked on collectives; a pipeline's, less its comm busy
-time, which holds the bubble: the planner adds that on top) of 283 runs of
+time less the time blocked on collectives; a pipeline's, when fitted, less its
+comm busy time, which holds the bubble: the planner adds that on top; now less
+its schedule's idle time, about 5% more on 1F1B) of 283 runs of
 ``benchmarks/plan_accuracy.py`` in 14 sets, hours to days apart (5 model shapes:
 TinyTransformer tutorial, wide and deep, a Llama, a GPT-2; 8 strategies; one
 set of pipelines with 2, 4 and 8 micro-batches), 2

@@ -295,35 +295,21 @@ def measured_compute_s(run) -> float | None:
     ranks), which neither term then predicted; and an interleaved pipeline's, whose receives are
     posted ahead and stay in flight while the stage computes, came out at a third of 1F1B's for the
     same work (4.8 ms against 14.6), so a run calibrated on it predicted every other 3x fast."""
+    return _measured_compute(run)[0]
+
+
+def _measured_compute(run) -> tuple[float | None, str]:
+    """(measured_compute_s, what it took from the step time): one choice for the figure and its label."""
     steps = run_analysis.steady_steps(run)
-    if not steps:
-        return None
-    if _compute_is_unblocked(run, steps):
-        return statistics.median(s["seconds"] - s["exposed_s"] for s in steps)
-    idle = run_analysis.schedule_idle(run) if _pipelined(run) else {}
+    pipelined = run.description.dims is not None and run.description.dims[2] > 1
+    if not pipelined and all(s["exposed_s"] is not None for s in steps):
+        return (statistics.median(s["seconds"] - s["exposed_s"] for s in steps) if steps else None), \
+            "the thread's time blocked on collectives"
+    idle = run_analysis.schedule_idle(run) if pipelined else {}
     if timed := [s["seconds"] - idle[s["step"]] for s in steps if s["step"] in idle]:
-        return statistics.median(timed)
-    return statistics.median(s["compute_s"] for s in steps)
-
-
-def _pipelined(run) -> bool:
-    return run.description.dims is not None and run.description.dims[2] > 1
-
-
-def _compute_is_unblocked(run, steps) -> bool:
-    return not _pipelined(run) and all(s["exposed_s"] is not None for s in steps)
-
-
-def compute_source(run) -> str:
-    """What measured_compute_s measured for ``run``."""
-    steps = run_analysis.steady_steps(run)
-    if _compute_is_unblocked(run, steps):
-        less = "the thread's time blocked on collectives"
-    elif _pipelined(run) and any(s["step"] in run_analysis.schedule_idle(run) for s in steps):
-        less = "the schedule's idle time (waits, sends, receives outside the stage's forward and backward)"
-    else:
-        less = "comm busy time"
-    return f"step time minus {less}, median"
+        return statistics.median(timed), \
+            "the schedule's idle time (waits, sends, receives outside the stage's forward and backward)"
+    return (statistics.median(s["compute_s"] for s in steps) if steps else None), "comm busy time"
 
 
 def link_seconds(run, rank: int = 0, blocking_only: bool = False, by_op: bool = False) -> dict:
@@ -650,7 +636,8 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
                     None if timeline else TOLERANCE["step time"],
                     "not judged: --memory-timeline's bookkeeping is in it (x1.1-x1.5 the step by strategy here); "
                     "judge times on a run without it" if timeline else ""))
-    rows.append(Row("  compute", measured_compute_s(run), e.compute_s, "s", compute_source(run)))
+    compute, what = _measured_compute(run)
+    rows.append(Row("  compute", compute, e.compute_s, "s", f"step time minus {what}, median"))
     if training.precision == "bf16" and (emulated := hw.emulated_bf16()):
         notes.append(f"{emulated}, and the compute term uses that: on this machine fp32 trains faster")
     exposed = typical_step(run, "exposed_s") if summary["exposed_s_per_step"] is not None else None
@@ -676,12 +663,13 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     i = next(i for i, r in enumerate(rows) if r.figure == "step time")
     note, term = _step_note(rows)
     rows[i] = replace(rows[i], note=rows[i].note or note)
+    outside = _outside_fit(run)
     if term == "compute" and ran_on_cpu(run) and (hs := hw.host_speed):
-        notes += _host_speed_note(run, hs, calibrated_on, calibration_run)
+        notes += _host_speed_note(run, hs, outside, calibrated_on, calibration_run)
     if hw.measured is False:
         notes.append("link and compute figures are presets; run a strategy cell or %commbench to measure them")
     return Versus(run.name, rows, e, hw, hardware_source, notes + e.notes[:2], run=run, calibrated_on=calibrated_on,
-                  outside_fit=_outside_fit(run))
+                  outside_fit=outside)
 
 
 def _step_note(rows: list) -> tuple[str, str | None]:
@@ -714,7 +702,8 @@ def step_tokens(shape: ModelShape, training: Training) -> int:
     return training.micro_batch * sequence(shape, training)[0] * training.grad_accum
 
 
-def _host_speed_note(run, speed: float, calibrated_on: str | None = None, calibration_run=None) -> list:
+def _host_speed_note(run, speed: float, outside: str, calibrated_on: str | None = None,
+                     calibration_run=None) -> list:
     """CPU ranks, compute off: the host speed this run implies next to the calibration's (``speed``).
     A factor 1.5 between them is beyond what the model's ratios between strategies missed by on the
     runs it was checked on (cpu_costs.RATIOS_CHECKED), so it points at a machine
@@ -732,8 +721,7 @@ def _host_speed_note(run, speed: float, calibrated_on: str | None = None, calibr
     head = (f"this run's time outside communication implies a host x{own:.2f} the CPU reference's, where the "
             f"calibration had x{speed:.2f} ({own / speed:.2f}x): beyond what the model's ratios between strategies "
             f"missed by ({cpu_costs.RATIOS_CHECKED}, nbtool.plan.cpu_costs)")
-    outside = _outside_fit(run)
-    if outside:  # a tiny model's step: its ratios between strategies are not what the fit saw (a slow
+    if outside:  # a tiny model's step (``outside``: _outside_fit's sentence for this run): its ratios between strategies are not what the fit saw (a slow
         # spell may add to it; only a rerun tells)
         return [f"{head}; this model's run is outside what those ratios were fitted on: {outside}, where they "
                 f"are rougher; run both cells again: if it stays off, it is the model{again}"]
