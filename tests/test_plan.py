@@ -11,7 +11,7 @@ import torch
 
 from nbtool.rank.example_models import TinyTransformer
 from nbtool.plan import paper_bytes
-from nbtool.plan.estimate import DDP_INFLIGHT, REDUCE_BUCKET, activations, estimate
+from nbtool.plan.estimate import DDP_INFLIGHT, REDUCE_BUCKET, activations, estimate, pipeline_holdings
 from nbtool.plan.inputs import HARDWARE_PRESETS, MODEL_PRESETS, Hardware, ModelShape, Training, cublas_workspace
 from nbtool.plan.model_states import expected_ledger
 from nbtool.plan.recommend import recommend
@@ -243,6 +243,25 @@ def test_presets_count_what_the_models_hold(preset, config):
     counted = ModelShape.from_config(AutoConfig.for_model(config["model_type"], **fields))
     assert MODEL_PRESETS[preset].params == counted.params
     assert counted.layers == config["num_hidden_layers"] and counted.hidden == config["hidden_size"]
+    # what a pipeline's first and last stages keep besides their blocks: the embedding; norm and head
+    assert [sorted(part) for part in MODEL_PRESETS[preset].ends] == [sorted(part) for part in counted.ends]
+
+
+def test_a_pipelines_first_rank_holds_the_embedding_with_its_blocks():
+    """Llama-3-8B over 4 pipeline ranks: rank 0 holds 8 blocks and the 525M-element embedding, the last
+    8 blocks, the final norm and the head (2.27B elements each); an even split (2.01B) put both 12% short.
+    Under ZB-V rank 0 runs both ends (2.80B: 28%). A formula's shape counts one parameter tensor in all."""
+    m = MODEL_PRESETS["Llama-3-8B"]
+    block = (m.params - 2 * 128256 * 4096 - 4096) / 32
+    one = pipeline_holdings(m, 4)
+    assert one[0][0] == pytest.approx(8 * block + 128256 * 4096) and one[1][0] == pytest.approx(8 * block)
+    assert one[3][0] == pytest.approx(8 * block + 4096 + 128256 * 4096) and sum(e for e, _ in one) == m.params
+    v = pipeline_holdings(m, 4, 2, "zbv")
+    assert v[0][0] == pytest.approx(8 * block + m.params - 32 * block) and v[1][0] == pytest.approx(8 * block)
+    assert sum(t for _, t in v) == 1
+    e = estimate("pp", m, Training(micro_batch=1, precision="fp32", optimizer="adamw"), HARDWARE_PRESETS["8x A100-80GB NVLink"],
+                 pp=4)
+    assert e.states["params"] == pytest.approx(4 * one[3][0]) and len(e.rank_states) == 4
 
 
 def test_dist_plan_takes_the_users_model(ip, tmp_path, capsys):

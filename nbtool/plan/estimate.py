@@ -122,7 +122,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ..spec import bubble_fraction, first_rank_held, first_rank_hops, stage_actions
+from ..spec import bubble_fraction, first_rank_held, first_rank_hops, stage_actions, stage_indices
 from . import cpu_costs
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
@@ -196,6 +196,8 @@ class Estimate:
     # ZeRO in mixed precision with Adam: DeepSpeed's estimator's model states, which ``device`` is built
     # from (its full 16-bit gradients among them, counted at their moment); ``states`` stays the ledger's
     estimator_states: dict = field(default_factory=dict)
+    # a pipeline's ranks' ``states`` by pipeline rank (``states``: the largest one's); [] elsewhere
+    rank_states: list = field(default_factory=list)
     peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
     # reduce-scatter" (ZeRO-3): where ``device`` is taken
 
@@ -356,6 +358,33 @@ def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, 
     return (norms + split) / tp + unsplit if sp else norms + unsplit + split / tp
 
 
+def pipeline_holdings(m: ModelShape, pp: int, virtual: int = 1, schedule: str = "1f1b", tied: tuple = ()) -> list:
+    """[(parameter elements, parameter tensors)] each pipeline rank holds, by nbtool.rank.pipeline's split:
+    the blocks evenly over the pp x V stages, the first stage's ends (embeddings) and the last's (final
+    norm, head) on the ranks running those (both on rank 0 under ZB-V). Without ``m.ends``, everything
+    evenly over the ranks, and each weight tied across stages (``tied``: their elements) once more."""
+    numels = list(m.numels) or [m.params]
+    if pp == 1 or not m.ends:
+        return [((m.params + sum(tied)) / pp, (len(numels) + len(tied)) / pp)] * pp
+    before, after, shared = m.ends
+    block_elements = m.params - sum(before) - sum(after) + sum(shared)
+    # tensors: counted where the module was (a shape from a formula has one in all)
+    block_tensors = len(numels) - len(before) - len(after) + len(shared) if m.numels else 0
+    stages = pp * virtual
+    out = []
+    for r in range(pp):
+        mine = stage_indices(r, pp, virtual, schedule)
+        first, last = 0 in mine, stages - 1 in mine
+        elements, tensors = block_elements * len(mine) / stages, block_tensors * len(mine) / stages
+        for part, held in ((before, first), (after, last)):
+            if held:
+                elements, tensors = elements + sum(part), tensors + len(part)
+        if first and last:  # a weight tied between the ends: one tensor
+            elements, tensors = elements - sum(shared), tensors - len(shared)
+        out.append((elements, tensors if m.numels else 1 / pp))
+    return out
+
+
 def _block_params(m: ModelShape) -> float:
     """One transformer block's weights (an FSDP unit): 12 h^2 for GPT's; q, o, k and v (k, v at the
     key/value heads) and a gated MLP's three I x h matrices for a Llama-style one."""
@@ -458,11 +487,16 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
 
     if layout.mesh:
         tied = tuple(tied) if pp > 1 else ()
-        held = psi + sum(tied)  # over all stages: a weight tied across stages has a copy on each
-        shard = (held - whole) / (tp * pp) + whole / pp  # ``whole``: what tp leaves whole on every tp rank
+        # each pipeline rank's (elements, tensors), its share of the tp-split ones; ``whole``: what tp
+        # leaves whole on every tp rank
+        ranks = [((held - whole) / tp + whole, tensors)
+                 for held, tensors in pipeline_holdings(m, pp, virtual, schedule, tied)]
         # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own)
-        steps = 4 * (len(numels) + len(tied)) / pp if adam else 0
-        e.device.update(params=4 * shard, grads=4 * shard, optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + steps)
+        e.rank_states = [dict(params=4 * shard, grads=4 * shard,
+                              optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + (4 * tensors if adam else 0))
+                         for shard, tensors in ranks]
+        e.device.update(max(e.rank_states, key=lambda d: sum(d.values())))
+        shard = ranks[0][0]  # rank 0's, whose collectives the planner counts (as its sends: first_rank_hops)
         if pp > 1 and t.grad_accum > 1 and largest:
             # from the second micro-batch on, autograd computes each weight's gradient into a new tensor
             # and then adds it to .grad: one (the largest) more in backward, at the stage's peak

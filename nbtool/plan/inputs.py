@@ -71,13 +71,18 @@ class ModelShape:
     # Hugging Face's models with config.use_cache (its default) concatenate each layer's k and v into a
     # DynamicCache in training too: copies that SDPA saves (beyond the fused qkv output its q still views)
     cache_kv: bool = False
+    # (before, after, shared): the element counts of the parameters a pipeline's first stage keeps besides
+    # its blocks (embeddings), of those its last keeps (final norm, head), and of those in both (a head
+    # tied to the embedding: one tensor where one rank runs both ends, as under ZB-V); () when unknown
+    ends: tuple = field(default=(), compare=False)
 
     @classmethod
     def transformer(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, name: str = "") -> "ModelShape":
         """GPT-style decoder: 12 L h^2 + 13 L h + (V + s) h parameters (Narayanan et al. 2021, eq. 2)."""
         params = 12 * layers * hidden**2 + 13 * layers * hidden + (vocab + seq) * hidden
         return cls(params, layers, hidden, heads, vocab, seq, largest_layer=max(vocab * hidden, 4 * hidden**2),
-                   name=name or f"{layers}L-{hidden}h transformer")
+                   name=name or f"{layers}L-{hidden}h transformer",
+                   ends=((vocab * hidden, seq * hidden), (vocab * hidden,), (vocab * hidden,)))  # the head tied
 
     @classmethod
     def decoder(cls, layers: int, hidden: int, heads: int, vocab: int, seq: int, kv_heads: int | None = None,
@@ -92,7 +97,8 @@ class ModelShape:
         per_layer = attention + 3 * hidden * inter + 2 * hidden
         params = layers * per_layer + vocab * hidden * (1 if tied else 2) + hidden
         return cls(params, layers, hidden, heads, vocab, seq, largest_layer=max(vocab * hidden, hidden * inter),
-                   name=name or f"{layers}L-{hidden}h decoder", gated_mlp=inter, kv_heads=kv_heads or heads)
+                   name=name or f"{layers}L-{hidden}h decoder", gated_mlp=inter, kv_heads=kv_heads or heads,
+                   ends=((vocab * hidden,), (hidden, vocab * hidden), (vocab * hidden,) if tied else ()))
 
     @classmethod
     def from_config(cls, config, seq: int | None = None, name: str = "") -> "ModelShape":
@@ -117,7 +123,8 @@ class ModelShape:
 
         numels = tuple(p.numel() for p in module.parameters())
         leaves = [sum(p.numel() for p in m.parameters(recurse=False)) for m in module.modules()]
-        layers = max((len(m) for m in module.modules() if isinstance(m, nn.ModuleList)), default=None)
+        lists = [(len(m), name) for name, m in module.named_modules() if isinstance(m, nn.ModuleList)]
+        layers, blocks = max(lists, default=(None, None))
         emb = next((m for m in module.modules() if isinstance(m, nn.Embedding)), None)
         heads = next((h for m in module.modules() for h in (getattr(m, k, None) for k in _HEAD_ATTRS)
                       if isinstance(h, int) and h > 0), None)
@@ -129,7 +136,8 @@ class ModelShape:
         shape = cls(sum(numels), layers, emb.embedding_dim if emb else None, heads,
                     emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
                     numels=numels, name=name or type(module).__name__, gated_mlp=gated,
-                    mlp_extra=3 if python_gelu else 0, dropout=dropout)
+                    mlp_extra=3 if python_gelu else 0, dropout=dropout,
+                    ends=_ends(module, blocks) if blocks is not None else ())
         config = getattr(module, "config", None)  # Hugging Face's and nanoGPT's models carry their shape
         if config is None:
             return shape
@@ -139,6 +147,22 @@ class ModelShape:
                        hidden=get("hidden_size", "n_embd") or shape.hidden,
                        heads=get("num_attention_heads", "n_head") or shape.heads,
                        vocab=get("vocab_size") or shape.vocab, kv_heads=get("num_key_value_heads"))
+
+
+def _ends(module, blocks: str) -> tuple:
+    """ModelShape.ends of ``module`` whose blocks are the ModuleList ``blocks``: its parameters registered
+    before the blocks and after them, by the convention nbtool.rank.pipeline cuts stages by (torchtitan's:
+    the first stage keeps what precedes the blocks, the last what follows; the test of pipeline states
+    checks the two agree on each model kind)."""
+    sides: dict = {}  # id -> (numel, {"before", "after"})
+    seen = False
+    for name, p in module.named_parameters(remove_duplicate=False):  # a tied head: under both its names
+        if name.startswith(blocks + "."):
+            seen = True
+            continue
+        sides.setdefault(id(p), (p.numel(), set()))[1].add("after" if seen else "before")
+    pick = lambda *want: tuple(n for n, where in sides.values() if set(want) <= where)
+    return pick("before"), pick("after"), pick("before", "after")
 
 
 # Well-known shapes. The Llama-3, Mistral and Qwen2.5 entries are built from
@@ -163,7 +187,7 @@ MODEL_PRESETS = {
 
 # what a run records of its model's structure for the planner (nbtool.rank.strategies; nbtool.plan.versus)
 RECORDED_SHAPE = ("layers", "hidden", "heads", "vocab", "largest_layer", "gated_mlp", "kv_heads", "mlp_extra",
-                  "dropout", "cache_kv")
+                  "dropout", "cache_kv", "ends")
 
 
 @dataclass(frozen=True)

@@ -171,8 +171,10 @@ def planner_inputs(run) -> tuple[str, ModelShape, Training, int, int]:
         raise ValueError(f"run {run.name!r} has no model description (did the cell call strategy.prepare?)")
     spec = spec_of(run)
     batch = desc.batch or {}
-    shape = ModelShape(sum(desc.param_numels), numels=tuple(desc.param_numels), seq=batch.get("seq"),
-                       **{k: v for k in RECORDED_SHAPE if (v := desc.model_shape.get(k)) is not None})
+    recorded = {k: v for k in RECORDED_SHAPE if (v := desc.model_shape.get(k)) is not None}
+    if "ends" in recorded:  # lists in the record's JSON
+        recorded["ends"] = tuple(tuple(part) for part in recorded["ends"])
+    shape = ModelShape(sum(desc.param_numels), numels=tuple(desc.param_numels), seq=batch.get("seq"), **recorded)
     tp = pp = 1
     if desc.dims is not None:
         _, tp, pp = desc.dims
@@ -581,6 +583,10 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     predicted_states = sum(e.states.values())
     mesh = layout.startswith(("tp", "pp"))
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
+    # a pipeline of plain replicas: each rank's stages' parameters, counted from the model's ends (a run
+    # recorded before runs recorded them is split evenly, unjudged)
+    pp_exact = mesh and tp == 1 and pp > 1 and bool(shape.ends) and run.strategy == "pp"
+    exact = tp_exact or pp_exact
     # tensor parallelism alone: the planner counts its collectives exactly, from the parts the plan split
     # (parts it left whole issue none: nanoGPT's attention)
     tp_bytes_exact = tp_exact and tp == run.world_size and "plan" in run.description.details
@@ -588,11 +594,15 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     # offload included (its peak's figures are DeepSpeed's estimator's there: nbtool.plan.estimate)
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
                     "ledger (bytes of the tensors each rank owns), max rank",
-                    TOLERANCE["model states"] if not mesh or tp_exact else None,
-                    "" if tp_exact or not mesh else "the planner splits every parameter over tp x pp; embeddings, "
+                    TOLERANCE["model states"] if not mesh or exact else None,
+                    "" if exact or not mesh else "the planner splits every parameter over tp x pp; embeddings, "
                     "norms and biases stay whole"))
     if len(set(states.values())) > 1:  # ranks differ (pipeline stages, uneven shards): each one's
-        rows += [Row(f"  model states, rank {r}", b, predicted_states, "B", "ledger") for r, b in sorted(states.items())]
+        per_stage = run.world_size // pp if len(e.rank_states) > 1 else 0  # the mesh's pp dim is outermost
+        rows += [Row(f"  model states, rank {r}", b,
+                     sum(e.rank_states[r // per_stage].values()) if per_stage else predicted_states, "B", "ledger",
+                     TOLERANCE["model states"] if pp_exact else None)
+                 for r, b in sorted(states.items())]
     by_op = ", ".join(f"{op} {format_bytes(b)}" for op, b in summary["comm_bytes_per_step"].items() if b)
     rows.append(Row("bus bytes / step", summary["bus_bytes_per_step"] or None, e.comm_bus_bytes, "B",
                     f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
