@@ -262,6 +262,7 @@ def test_a_pipelines_first_rank_holds_the_embedding_with_its_blocks():
     e = estimate("pp", m, Training(micro_batch=1, precision="fp32", optimizer="adamw"), HARDWARE_PRESETS["8x A100-80GB NVLink"],
                  pp=4)
     assert e.states["params"] == pytest.approx(4 * one[3][0]) and len(e.rank_states) == 4
+    assert "pipeline ranks 0-3 hold 2.27B / 1.74B / 1.74B / 2.27B parameters" in " ".join(e.notes), e.notes
 
 
 def test_dist_plan_takes_the_users_model(ip, tmp_path, capsys):
@@ -357,9 +358,9 @@ def test_dist_plan_without_model_plans_the_last_runs_model_as_it_trained(ip, clu
     params = ModelShape.from_module(TinyTransformer()).params
     assert "planning the model run 'ddp' trained" in out, out
     header = next(line for line in out.splitlines() if line.startswith("the model of run 'ddp': "))
-    from nbtool.actions.plan import _count_text
+    from nbtool.plan.inputs import format_count
 
-    assert f": {_count_text(params)} parameters on 2 x " in header and "; fp32, micro-batch 2," in header, header
+    assert f": {format_count(params)} parameters on 2 x " in header and "; fp32, micro-batch 2," in header, header
     ip.run_line_magic("dist_plan", "--text --micro-batch 8 --precision bf16")
     assert "; bf16, micro-batch 8," in capsys.readouterr().out
     # the picker offers it by name, with the same ranking

@@ -80,7 +80,7 @@ def model_shape(text: str, user_ns: dict, seq: int | None = None):
     """The ModelShape ``--model TEXT`` names, or None for a preset name (looked up by the caller)."""
     import os
 
-    from ..plan.inputs import ModelShape
+    from ..plan.inputs import ModelShape, format_count
 
     t = text.strip()
     number = t[:-1] if t[-1:].lower() in _SUFFIX else t
@@ -91,7 +91,7 @@ def model_shape(text: str, user_ns: dict, seq: int | None = None):
     if count is not None:
         if count < 1:
             raise UsageError(f"--model {text!r}: the parameter count must be >= 1")
-        return ModelShape(int(count), name=f"{_count_text(int(count))} params")
+        return ModelShape(int(count), name=f"{format_count(int(count))} params")
     if t.isidentifier() and t in user_ns:
         return _shape_of(user_ns[t], t, seq)
     if t.endswith(".json"):
@@ -125,13 +125,6 @@ def _shape_of(obj, label: str, seq):
                              f"({type(e).__name__}: {e})") from None
     raise UsageError(f"--model {label}: a {type(obj).__name__}, not a torch module, a Hugging Face config "
                      "or a config dict with model_type")
-
-
-def _count_text(n: int) -> str:
-    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g}{unit}"
-    return str(n)
 
 
 def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
@@ -209,10 +202,10 @@ def plan(state: Session, req: PlanRequest, cluster, in_kernel: bool, shell):
     shape = shape or MODEL_PRESETS[req.model_name or DEFAULT_MODEL]
     rec = recommend(shape, training, hw)
     tag = ", partly measured: the line above" if hw.measured else ""
-    from ..plan.inputs import format_gb
+    from ..plan.inputs import format_count, format_gb
 
     # decimal GB as in the lines below ("38.7 GB usable" of a 40 GiB card), the card's GiB beside it
-    print(f"{shape.name or shape.params}: {_count_text(shape.params)} parameters on {hw.devices} x "
+    print(f"{shape.name or shape.params}: {format_count(shape.params)} parameters on {hw.devices} x "
           f"{format_gb(hw.device_memory)} = {hw.device_memory / 2**30:.0f} GiB ({hw.name}{tag}); "
           f"{training.precision}, micro-batch {training.micro_batch}, checkpointing {training.checkpointing}")
     for i, line in enumerate(rec.lines(), 1):

@@ -127,7 +127,7 @@ from . import cpu_costs
 from .layouts import Layout
 from .layouts import DDP, ZERO2, ZERO2_OFFLOAD, ZERO3, ZERO3_OFFLOAD, ZERO3_OFFLOAD_OPTIMIZER
 from .layouts import layout as as_layout
-from .inputs import Hardware, ModelShape, Training, format_gb
+from .inputs import Hardware, ModelShape, Training, format_count, format_gb
 from .model_states import OPTIMIZER_STATE_BYTES, PERSISTENCE_THRESHOLD, expected_ledger
 
 MFU = 0.4
@@ -556,6 +556,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
             e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} of the step with m={micro} micro-batches "
                            "(more micro-batches shrink it: --microbatches M)")
+            if max(r for r, _ in ranks) > 1.01 * min(r for r, _ in ranks):  # which stage to lighten, if any
+                e.notes.append(f"pipeline ranks 0-{pp - 1} hold {' / '.join(format_count(r) for r, _ in ranks)} "
+                               "parameters (embeddings with the first stage, final norm and head with the last); "
+                               "the memory above is the largest's")
         exposed = e.comm_s
         dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))

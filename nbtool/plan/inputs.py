@@ -25,6 +25,14 @@ def format_gb(x: float) -> str:
             return f"{x / size:.1f} {unit}"
 
 
+def format_count(n: float) -> str:
+    """A parameter count as people write it: 8.03B, 436K, 512."""
+    for unit, size in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return f"{n:.0f}"
+
+
 def format_ms(seconds: float) -> str:
     """The planner's times in ms: whole from 10 ms, one decimal from 1 ms, two significant figures below
     (a tiny model's step on a GPU is 0.031 ms, not 0)."""
