@@ -145,7 +145,7 @@ class ModelShape:
                     emb.num_embeddings if emb else None, seq, largest_layer=max(leaves, default=0),
                     numels=numels, name=name or type(module).__name__, gated_mlp=gated,
                     mlp_extra=3 if python_gelu else 0, dropout=dropout,
-                    ends=_ends(module, blocks) if blocks is not None else ())
+                    ends=ends_around(module, blocks) if blocks is not None else ())
         config = getattr(module, "config", None)  # Hugging Face's and nanoGPT's models carry their shape
         if config is None:
             return shape
@@ -157,11 +157,11 @@ class ModelShape:
                        vocab=get("vocab_size") or shape.vocab, kv_heads=get("num_key_value_heads"))
 
 
-def _ends(module, blocks: str) -> tuple:
-    """ModelShape.ends of ``module`` whose blocks are the ModuleList ``blocks``: its parameters registered
-    before the blocks and after them, by the convention nbtool.rank.pipeline cuts stages by (torchtitan's:
-    the first stage keeps what precedes the blocks, the last what follows; the test of pipeline states
-    checks the two agree on each model kind)."""
+def ends_around(module, blocks: str) -> tuple:
+    """ModelShape.ends of ``module`` whose blocks are the ModuleList named ``blocks``: its parameters
+    registered before the blocks and after them, as nbtool.rank.pipeline cuts stages (torchtitan's
+    convention: the first stage keeps what precedes the blocks, the last what follows; a run records
+    them around the blocks its pipeline would split, from_module around the longest ModuleList)."""
     sides: dict = {}  # id -> (numel, {"before", "after"})
     seen = False
     for name, p in module.named_parameters(remove_duplicate=False):  # a tied head: under both its names

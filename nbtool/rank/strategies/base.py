@@ -536,8 +536,15 @@ class Description(dict):
 
 
 def _shape_of(model: nn.Module) -> dict:
-    """What the planner needs of the model's structure (nbtool.plan.ModelShape.from_module's fields)."""
-    from ...plan.inputs import RECORDED_SHAPE, ModelShape
+    """What the planner needs of the model's structure (nbtool.plan.ModelShape.from_module's fields), its
+    ends around the blocks a pipeline would split."""
+    from ...plan.inputs import RECORDED_SHAPE, ModelShape, ends_around
+    from ..model_adapters import block_list
 
     shape = ModelShape.from_module(model)
-    return {k: getattr(shape, k) for k in RECORDED_SHAPE}
+    out = {k: getattr(shape, k) for k in RECORDED_SHAPE}
+    try:
+        out["ends"] = ends_around(model, block_list(model)[0])
+    except StrategyError:  # no repeated blocks: no pipeline
+        out["ends"] = ()
+    return out
