@@ -417,3 +417,29 @@ def test_checkpoint_from_a_mesh_layout_loads_under_ddp(ranks, tmp_path, saver):
     for k, v in out[0]["sd"].items():
         assert torch.equal(ranks.user_ns["_sd"][0][k], v), k
     assert ranks.user_ns["_loaded"][0]["restored"].startswith("model only")
+
+
+def test_a_zero_bubble_pipelines_peak_note_names_the_schedule(ranks):
+    """ZB-V splits each backward into input and weight gradients, and a stage holds a micro-batch's saved
+    tensors and the gradients between the two: on the same 4-block model, its activations at the peak
+    (--memory-timeline) come out well over 1F1B's, and the peak row names the schedule as the cause (it
+    had blamed the model's layers, which 1F1B's row shows are counted right)."""
+    from nbtool.plan.versus import peak_tensors
+
+    ratios, notes = {}, {}
+    for schedule in ("1f1b", "zbv"):
+        ranks.run_cell(f"%%distributed pp --schedule {schedule} --memory-timeline --quiet\n"
+                       "model = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)\n"
+                       "opt = torch.optim.AdamW(model.parameters())\n"
+                       "model, opt = strategy.prepare(model, opt, loss_fn=lm_loss)\n"
+                       "data = SyntheticTokens(64, seq=32, vocab=256)\n"
+                       "for _, (x, y) in zip(range(3), strategy.dataloader(data, batch_size=8, shuffle=False)):\n"
+                       "    strategy.forward_backward(x, y); opt.step(); opt.zero_grad()").raise_error()
+        v = nbtool.predicted_vs_measured()
+        parts = peak_tensors(nbtool.last_run())[2]
+        held = sum(parts.get(c, 0) for c in ("activation", "temporary", "autograd_detail"))
+        ratios[schedule] = held / v.estimate.device["activations"]
+        notes[schedule] = v.row("peak tensor memory").note
+    assert ratios["zbv"] > 1.15 * ratios["1f1b"], ratios
+    assert "zero-bubble" not in notes["1f1b"], notes
+    assert "zero-bubble schedules split each backward" in notes["zbv"], (ratios, notes)  # 1.56x here, 1F1B 1.16x
