@@ -656,6 +656,38 @@ def test_overlap_comm_is_advised_on_gpus_only_with_the_bucket_it_costs(ranks):
     assert f"memory +{bucket} (a second reduce bucket)" in s.effect, s.effect
 
 
+def test_a_pipelines_advice_follows_its_schedule(ranks):
+    """A pipeline idling over 15% of its step is weighed for twice the micro-batches and, with one stage
+    per rank and blocks that divide into 2 pp, for two stages per rank (interleaved 1F1B), each predicted
+    with the run's own schedule: theory's bubble falls from (p-1)/(m+p-1) to (p-1)/(2m+p-1) either way.
+    ZB-V, whose theory is 0 already, is weighed for neither (its micro-batch line had been predicted as
+    1F1B's, 20% -> 11%). Only what the planner predicts faster is advised: on CPU ranks each extra send
+    waits for the other rank, and neither is (measured on 2 ranks: interleaved idled 50% of the step
+    where 1F1B idled 36%)."""
+    from nbtool.plan.advice import _pipeline, measure
+    from nbtool.plan.versus import planner_inputs, spec_of, typical_step
+
+    magics = ranks.magics_manager.registry["NbtoolMagics"]
+    weighed = {}
+    for schedule in ("1f1b", "zbv"):
+        ranks.run_cell(f"""%%distributed pp --schedule {schedule} --quiet
+m = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)
+model, opt = strategy.prepare(m, torch.optim.AdamW(m.parameters()), loss_fn=lm_loss)
+for _, (x, y) in zip(range(4), strategy.dataloader(SyntheticTokens(samples=64, seq=32, vocab=256), batch_size=8)):
+    strategy.forward_backward(x, y); opt.step(); opt.zero_grad()
+""").raise_error()
+        run, v = nbtool.last_run(), nbtool.predicted_vs_measured()
+        assert measure(run, "bubble") > 0.15, run_analysis.bubble_table(run)  # what makes it weighed
+        _, shape, training, _, pp = planner_inputs(run)
+        weighed[schedule] = _pipeline(run, spec_of(run), shape, training, pp, v.estimate, v.hardware, typical_step(run))
+        advised = {s.line for s in magics.session.advice}
+        assert all((s.line in advised) == (saved > 0) for saved, s in weighed[schedule]), (weighed, advised)
+    lines = {s.line: s for _, s in weighed["1f1b"]}
+    assert sorted(lines) == ["pp --microbatches 8 --schedule 1f1b", "pp --schedule interleaved-1f1b"], lines
+    assert all(s.predicted == pytest.approx(1 / 9) and "20% -> 11% in theory" in s.effect for s in lines.values())
+    assert weighed["zbv"] == [], weighed["zbv"]
+
+
 def test_cuda_timeline_names_the_cublas_workspaces_in_unknown():
     """On CUDA the profiler files cuBLAS's workspaces under "unknown" (64 MiB on an H200): the
     timeline says so with the size the recorder measured; a CPU timeline, with none measured, is left alone."""

@@ -110,19 +110,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             f"ms at best (backward ~{2 / 3 * e.compute_s * 1e3:.1f} ms), memory +{format_bytes(e2.device_total - e.device_total)} "
             "(a second reduce bucket)", run.name)))
     if pp > 1:
-        m = training.grad_accum
-        bubble = measure(run, "bubble")
-        if bubble is not None and bubble > 0.15:
-            from ..spec import bubble_fraction
-
-            e2 = estimate(layout, shape, replace(training, grad_accum=2 * m,
-                                                 micro_batch=max(1, training.micro_batch // 2)), hw, tp=tp, pp=pp)
-            out.append((e.step_s - e2.step_s, Suggestion(
-                line_of(replace(spec, microbatches=2 * m)),
-                f"the pipeline idles {bubble:.0%} of each step with {m} micro-batches", "bubble", bubble,
-                bubble_fraction(pp, 2 * m),
-                f"bubble {bubble_fraction(pp, m):.0%} -> {bubble_fraction(pp, 2 * m):.0%} in theory "
-                f"((p-1)/(m+p-1)), {_step_effect(e, e2, step)}", run.name)))
+        out += _pipeline(run, spec, shape, training, pp, e, hw, step)
     if spec.precision == "fp32" and spec.name in ("fsdp", "zero2", "zero3") and cuda:  # on CPU bf16 is no faster
         e2 = estimate(layout, shape, replace(training, precision="bf16"), hw, tp=tp, pp=pp)
         out.append((e.step_s - e2.step_s, Suggestion(
@@ -149,6 +137,45 @@ def suggest(run, result: Versus) -> list[Suggestion]:
               for saved, s in out[:MAX_SUGGESTIONS]]
     return faster + [replace(s, step_before=step) for s in
                      _memory(run, spec, shape, training, e, hw, step)[:MAX_SUGGESTIONS - len(faster)]]
+
+
+def _pipeline(run, spec, shape, training, pp: int, e: Estimate, hw, step: float | None) -> list:
+    """Where the pipeline idles over 15% of its step: twice the micro-batches (where the schedule's
+    theory shrinks the bubble with them: not ZB-V's, 0 already), and for a one-stage-per-rank schedule
+    two stages per rank (interleaved 1F1B: warm-up and drain of chunks half the size) where the blocks
+    divide into 2 pp; each as the planner predicts it, with the run's schedule (suggest keeps those it
+    predicts faster: on CPU ranks the extra sends can cost more than the bubble saves)."""
+    from ..spec import SpecError, bubble_fraction, pipeline_schedule, validate
+
+    bubble = measure(run, "bubble")
+    if bubble is None or bubble <= 0.15:
+        return []
+    m = training.grad_accum
+    schedule, virtual = pipeline_schedule(spec)
+    theory = lambda mb, sch=schedule, v=virtual: bubble_fraction(pp, mb, sch, v)
+    formula = "(p-1)/(m+p-1)" if virtual == 1 else f"{schedule}'s theory"
+    out = []
+    if theory(2 * m) < theory(m):
+        e2 = run_estimate(run, hw, training_changes=dict(grad_accum=2 * m, micro_batch=max(1, training.micro_batch // 2)))
+        out.append((e.step_s - e2.step_s, Suggestion(
+            line_of(replace(spec, microbatches=2 * m)),
+            f"the pipeline idles {bubble:.0%} of each step with {m} micro-batches", "bubble", bubble, theory(2 * m),
+            f"bubble {theory(m):.0%} -> {theory(2 * m):.0%} in theory ({formula}), {_step_effect(e, e2, step)}",
+            run.name)))
+    interleaved = replace(spec, schedule="interleaved-1f1b")
+    try:
+        validate(interleaved, world_size=run.world_size)
+    except SpecError:  # its micro-batches do not run in rounds of pp
+        interleaved = None
+    if virtual == 1 and shape.layers and shape.layers % (2 * pp) == 0 and interleaved is not None:
+        e2 = run_estimate(run, hw, schedule="interleaved-1f1b", virtual=2)
+        after = theory(m, "interleaved-1f1b", 2)
+        out.append((e.step_s - e2.step_s, Suggestion(
+            line_of(interleaved), f"the pipeline idles {bubble:.0%} of each step; its {shape.layers} blocks "
+            f"divide into 2 stages per rank", "bubble", bubble, after,
+            f"bubble {theory(m):.0%} -> {after:.0%} in theory ((p-1)/(2m+p-1)), {_step_effect(e, e2, step)}, "
+            f"memory {_signed_bytes(e2.device_total - e.device_total)}", run.name)))
+    return out
 
 
 def _step_change(e: Estimate, after_s: float, step: float | None) -> float:

@@ -546,13 +546,17 @@ def calibrate(run, base: Hardware | None = None, host_speed: float | None = None
     return replace(hw, name=", ".join(what) or "nothing measured")
 
 
-def run_estimate(run, hw: Hardware, precision: str | None = None, **changes) -> Estimate:
+def run_estimate(run, hw: Hardware, precision: str | None = None, training_changes: dict | None = None,
+                 **changes) -> Estimate:
     """The planner's estimate of ``run`` on ``hw``, with the options the run used (DeepSpeed's config,
-    DDP's compression, the layout's); ``precision`` and ``changes`` override them (advice: what a
+    DDP's compression, the layout's); ``precision``, ``training_changes`` (Training's fields: a
+    pipeline's micro-batches) and ``changes`` (estimate's keywords) override them (advice: what a
     changed line would do)."""
     layout, shape, training, tp, pp = planner_inputs(run)
     if precision is not None:
         training = replace(training, precision=precision)
+    if training_changes:
+        training = replace(training, **training_changes)
     zero = zero_config(run)
     options = dict(persistence_threshold=int(zero.get("stage3_param_persistence_threshold", PERSISTENCE_THRESHOLD)),
                    reduce_bucket=int(zero.get("reduce_bucket_size", REDUCE_BUCKET)),
