@@ -543,8 +543,8 @@ def _shape_of(model: nn.Module) -> dict:
 
     shape = ModelShape.from_module(model)
     out = {k: getattr(shape, k) for k in RECORDED_SHAPE}
-    try:
-        out["ends"] = ends_around(model, block_list(model)[0])
+    try:  # as lists, the record's JSON
+        out["ends"] = [list(part) for part in ends_around(model, block_list(model)[0])]
     except StrategyError:  # no repeated blocks: no pipeline
-        out["ends"] = ()
+        out["ends"] = []
     return out
