@@ -1,12 +1,13 @@
 """How close the planner gets to what 2 CPU ranks measure, after calibrating on a different run.
 
     python benchmarks/plan_accuracy.py [--steps 6] [--repeat 5] [--timeline-repeat 1]
-                                       [--shapes tutorial,wide,deep,llama,gpt2]
+                                       [--shapes tutorial,wide,deep,llama,gpt2,vocab]
                                        [--strategies ddp,tp] [--dump F] [--save DIR | --load DIR]
 
 For four model shapes (the tutorial model, one wide and shallow, one narrow
 and deep, and a Hugging Face Llama with grouped-query attention; ``--shapes``
-also takes ``gpt2``, a Hugging Face GPT-2) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp, tp --sp
+also takes ``gpt2``, a Hugging Face GPT-2, and ``vocab``, the tutorial model's blocks under an 8192-word
+head: a pipeline whose last stage does most of its work) and each of ddp, fsdp, fsdp bf16, zero1, zero2, zero3, tp, tp --sp
 and pp:
 the cell runs plain (times), ``--repeat`` times, and with
 ``--memory-timeline`` (peak tensor bytes: torch.profiler's tracked tensors,
@@ -67,6 +68,8 @@ SHAPES = {  # the model each shape builds (on every rank, from its config: nothi
     # models nbtool did not write: a Llama (grouped-query attention, gated MLP), a GPT-2 (fused qkv, tied head)
     "llama": f"LlamaForCausalLM(LlamaConfig(hidden_size=128, intermediate_size=344, num_hidden_layers=4, "
              f"num_attention_heads=4, num_key_value_heads=2, vocab_size={VOCAB}, max_position_embeddings={SEQ}))",
+    # a vocabulary of 8192: the head is 5 blocks' worth, so a pipeline's last stage does most of its work
+    "vocab": f"TinyTransformer(vocab=8192, dim=128, heads=4, layers=4, seq={SEQ})",
     "gpt2": f"GPT2LMHeadModel(GPT2Config(n_embd=128, n_layer=4, n_head=4, vocab_size={VOCAB}, n_positions={SEQ}, "
             "resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))",
 }

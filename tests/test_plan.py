@@ -247,6 +247,30 @@ def test_presets_count_what_the_models_hold(preset, config):
     assert [sorted(part) for part in MODEL_PRESETS[preset].ends] == [sorted(part) for part in counted.ends]
 
 
+def test_a_pipelines_slowest_stage_sets_its_pace():
+    """Llama-3-8B over 4 pipeline ranks: the last stage runs 8 blocks and the head (a 128256-wide matmul,
+    2.4 blocks' worth), 30% of the step's FLOPs where the others run 23% (the embedding is a lookup).
+    Rank 0's compute is its own stages'; it waits for the slowest stage's extra, in its bubble with the
+    other stages' warm-up and drain. The even split had put every rank at 25%: plan_accuracy's
+    vocabulary-8192 shape (a head 5 blocks' worth), predicted from fsdp on 2 CPU ranks, went from
+    -26.4% to -16.3% (1F1B) and -29.8% to -6.5% (ZB-V)."""
+    from dataclasses import replace
+
+    from nbtool.plan.estimate import pipeline_work
+    from nbtool.spec import bubble_fraction
+
+    m, hw = MODEL_PRESETS["Llama-3-8B"], HARDWARE_PRESETS["8x A100-80GB NVLink"]
+    t = Training(micro_batch=1, grad_accum=8)
+    shares = pipeline_work(m, 4)
+    assert shares[:3] == [pytest.approx(0.2325, abs=1e-4)] * 3 and shares[3] == pytest.approx(0.3025, abs=1e-4)
+    e, even = estimate("pp", m, t, hw, pp=4), estimate("pp", replace(m, ends=()), t, hw, pp=4)
+    assert e.compute_s == pytest.approx(even.compute_s * 4 * shares[0])
+    f = bubble_fraction(4, 8)
+    assert e.bubble_s == pytest.approx(e.compute_s * f / (1 - f) + e.compute_s * (shares[3] / shares[0] - 1))
+    assert even.bubble_s == pytest.approx(even.compute_s * f / (1 - f))
+    assert pipeline_work(m, 4, 2, "zbv")[0] == shares[3]  # ZB-V: rank 0 runs the last stage too
+
+
 def test_a_pipelines_first_rank_holds_the_embedding_with_its_blocks():
     """Llama-3-8B over 4 pipeline ranks: rank 0 holds 8 blocks and the 525M-element embedding, the last
     8 blocks, the final norm and the head (2.27B elements each); an even split (2.01B) put both 12% short.
@@ -539,7 +563,8 @@ def test_the_pipeline_bubble_is_theorys_fraction_of_the_step_and_sends_keep_thei
     from nbtool.plan.estimate import P2P
     from nbtool.spec import bubble_fraction
 
-    m = ModelShape.transformer(8, 256, 4, 1000, 64)
+    # equal stages (the slowest stage's wait: test_a_pipelines_slowest_stage_sets_its_pace)
+    m = replace(ModelShape.transformer(8, 256, 4, 1000, 64), ends=())
     for hw in (HARDWARE_PRESETS["8x H100-80GB NVLink"], HARDWARE_PRESETS["2 CPU ranks (gloo)"]):
         for pp, micro in ((2, 4), (4, 1), (4, 8)):
             e = estimate("pp", m, Training(micro_batch=1, seq=64, grad_accum=micro), hw.with_devices(pp), pp=pp)

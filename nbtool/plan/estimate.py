@@ -101,7 +101,10 @@ Sources, per figure:
   FLOPs x 40% utilisation); data-parallel communication overlaps backward
   (2/3 of compute) and only the excess is exposed; tensor-parallel and
   pipeline communication, pipeline bubbles ((p-1)/(m+p-1) of the step: compute x (p-1)/m) and offload
-  transfers (device <-> host) are not hidden. Each op costs count x alpha
+  transfers (device <-> host) are not hidden. A pipeline rank's FLOPs are its stages' blocks', and the
+  head's on the last stage's rank (``pipeline_work``; the embeddings are a lookup): compute is rank
+  0's, as measured, and its bubble holds the other stages' warm-up and drain and its wait for the
+  slowest stage (Llama-3-8B over 4 ranks: the last runs 30% of the FLOPs, the others 23%). Each op costs count x alpha
   + bus bytes / B on its own link where the hardware has one
   (``Hardware.op_links``: ``%commbench``'s fit per op; on CPU ranks the
   in-training table nbtool.plan.cpu_costs.COLLECTIVES, ZeRO-3's fetches and
@@ -198,6 +201,8 @@ class Estimate:
     estimator_states: dict = field(default_factory=dict)
     # a pipeline's ranks' ``states`` by pipeline rank (``states``: the largest one's); [] elsewhere
     rank_states: list = field(default_factory=list)
+    # a pipeline's ranks' compute by pipeline rank (``compute_s``: rank 0's); one entry elsewhere
+    rank_compute_s: list = field(default_factory=list)
     peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
     # reduce-scatter" (ZeRO-3): where ``device`` is taken
 
@@ -385,6 +390,22 @@ def pipeline_holdings(m: ModelShape, pp: int, virtual: int = 1, schedule: str = 
     return out
 
 
+def pipeline_work(m: ModelShape, pp: int, virtual: int = 1, schedule: str = "1f1b") -> list:
+    """Each pipeline rank's share of a step's FLOPs: its stages' blocks, and the final norm and head on
+    the last stage's rank (a matmul of the vocabulary's width: Llama-3-8B's head is 2.4 blocks' worth);
+    the first stage's embeddings are a lookup. Evenly without ``m.ends``."""
+    if pp == 1 or not m.ends:
+        return [1.0 / pp] * pp
+    before, after, shared = m.ends
+    blocks = m.params - sum(before) - sum(after) + sum(shared)
+    stages = pp * virtual
+    work = []
+    for r in range(pp):
+        mine = stage_indices(r, pp, virtual, schedule)
+        work.append(blocks * len(mine) / stages + (sum(after) if stages - 1 in mine else 0))
+    return [w / sum(work) for w in work]
+
+
 def _block_params(m: ModelShape) -> float:
     """One transformer block's weights (an FSDP unit): 12 h^2 for GPT's; q, o, k and v (k, v at the
     key/value heads) and a gated MLP's three I x h matrices for a Llama-style one."""
@@ -477,13 +498,21 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     if assumed:
         e.notes.append(f"sequence length not given: compute assumes {DEFAULT_SEQ} tokens per sample")
     flops = 6 * psi * tokens * (4 / 3 if t.checkpointing == "full" else 1)
-    # one replica's work, split over its tp * pp devices
+    # one replica's work, split over its tp devices and its pipeline ranks by their stages' work: the
+    # slowest stage sets a pipeline's pace
+    stages = list(zip(pipeline_work(m, pp, virtual, schedule),
+                      (n for _, n in pipeline_holdings(m, pp, virtual, schedule)))) if layout.mesh and pp > 1 \
+        else [(1.0, len(numels))]
     cpu = hw.host_speed is not None
     if cpu:  # CPU ranks: the host's per-tensor work, measured per strategy (nbtool.plan.cpu_costs)
-        e.compute_s = cpu_costs.step_s(layout, t.precision, flops / (tp * pp) / 1e9, len(numels) / pp, hw.host_speed,
-                                       hw.bf16_flops, t.grad_accum, stage_actions(virtual, schedule))
+        per_rank = [cpu_costs.step_s(layout, t.precision, flops * share / tp / 1e9, tensors, hw.host_speed,
+                                     hw.bf16_flops, t.grad_accum, stage_actions(virtual, schedule))
+                    for share, tensors in stages]
     else:
-        e.compute_s = flops / (tp * pp) / (hw.peak_flops * (1 if mixed else 0.25) * MFU)
+        per_rank = [flops * share / tp / (hw.peak_flops * (1 if mixed else 0.25) * MFU) for share, _ in stages]
+    # a pipeline's: rank 0's stage, as its compute is measured (nbtool.plan.versus.measured_compute_s);
+    # the slowest stage sets the pace, and rank 0 waits out the difference (the bubble's, below)
+    e.compute_s, e.rank_compute_s = per_rank[0], per_rank
 
     if layout.mesh:
         tied = tuple(tied) if pp > 1 else ()
@@ -551,8 +580,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 e.add_comm(hw, "all_reduce", pp, 1, 2 * (pp - 1) / pp * 4 * k)
             bubble = bubble_fraction(pp, micro, schedule, virtual)
             # theory's fraction is of the step (compute + idle): idle = compute x f / (1 - f), (p-1)
-            # micro-batches' work for 1F1B, where compute x f had left out the idle's own share of the step
-            e.bubble_s = e.compute_s * bubble / (1 - bubble)
+            # micro-batches' work for 1F1B, where compute x f had left out the idle's own share of the step.
+            # Stages of unequal work (a head the vocabulary's width on the last): the warm-up and drain run
+            # the other stages' chunks, and rank 0 waits for the slowest stage's extra every micro-batch
+            others = sorted(per_rank)[:-1]
+            e.bubble_s = sum(others) / len(others) * bubble / (1 - bubble) + max(per_rank) - per_rank[0]
             formula = "(p-1)/(m+p-1)" if virtual == 1 else f"of {schedule}, {virtual} stages per rank,"
             e.notes.append(f"pipeline {pp}: bubble {formula} = {bubble:.0%} of the step with m={micro} micro-batches "
                            "(more micro-batches shrink it: --microbatches M)")
