@@ -125,7 +125,8 @@ class ModelShape:
         """Count a torch module (meta-device modules work: nothing is allocated).
 
         Finds the largest leaf module, the number of repeated blocks (the
-        longest ModuleList), and hidden/vocab from the first Embedding.
+        longest ModuleList) and the parameters before and after them
+        (``ends``), and hidden/vocab from the first Embedding.
         """
         from torch import nn
 

@@ -599,8 +599,8 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
                     "ledger (bytes of the tensors each rank owns), max rank",
                     TOLERANCE["model states"] if not mesh or exact else None,
-                    "" if exact or not mesh else "the planner splits every parameter over tp x pp; embeddings, "
-                    "norms and biases stay whole"))
+                    "" if exact or not mesh else f"the planner splits every parameter over tp"
+                    f"{' x pp' if pp > 1 and not shape.ends else ''}; embeddings, norms and biases stay whole"))
     if len(set(states.values())) > 1:  # ranks differ (pipeline stages, uneven shards): each one's
         per_stage = run.world_size // pp if len(e.rank_states) > 1 else 0  # the mesh's pp dim is outermost
         rows += [Row(f"  model states, rank {r}", b,
