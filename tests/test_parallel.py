@@ -431,15 +431,20 @@ def test_a_zero_bubble_pipelines_peak_note_names_the_schedule(ranks):
 
     ratios, notes = {}, {}
     for schedule in ("1f1b", "zbv"):
-        ranks.run_cell(f"%%distributed pp --schedule {schedule} --memory-timeline --quiet\n"
-                       "model = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)\n"
-                       "opt = torch.optim.AdamW(model.parameters())\n"
-                       "model, opt = strategy.prepare(model, opt, loss_fn=lm_loss)\n"
-                       "data = SyntheticTokens(64, seq=32, vocab=256)\n"
-                       "for _, (x, y) in zip(range(3), strategy.dataloader(data, batch_size=8, shuffle=False)):\n"
-                       "    strategy.forward_backward(x, y); opt.step(); opt.zero_grad()").raise_error()
+        for _ in range(3):  # torch's memory profiler now and then cannot categorise a run (under the whole
+            # module, once in CI): its timeline then holds one total, which says nothing of activations
+            ranks.run_cell(f"%%distributed pp --schedule {schedule} --memory-timeline --quiet\n"
+                           "model = TinyTransformer(vocab=256, dim=128, heads=4, layers=4, seq=32)\n"
+                           "opt = torch.optim.AdamW(model.parameters())\n"
+                           "model, opt = strategy.prepare(model, opt, loss_fn=lm_loss)\n"
+                           "data = SyntheticTokens(64, seq=32, vocab=256)\n"
+                           "for _, (x, y) in zip(range(3), strategy.dataloader(data, batch_size=8, shuffle=False)):\n"
+                           "    strategy.forward_backward(x, y); opt.step(); opt.zero_grad()").raise_error()
+            parts = peak_tensors(nbtool.last_run())[2]
+            if "uncategorised" not in parts:
+                break
+        assert "activation" in parts, [t.note for t in nbtool.last_run().timelines]
         v = nbtool.predicted_vs_measured()
-        parts = peak_tensors(nbtool.last_run())[2]
         held = sum(parts.get(c, 0) for c in ("activation", "temporary", "autograd_detail"))
         ratios[schedule] = held / v.estimate.device["activations"]
         notes[schedule] = v.row("peak tensor memory").note
