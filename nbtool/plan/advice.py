@@ -163,11 +163,11 @@ def _pipeline(run, spec, shape, training, pp: int, e: Estimate, hw, step: float 
             f"bubble {theory(m):.0%} -> {theory(2 * m):.0%} in theory ({formula}), {_step_effect(e, e2, step)}",
             run.name)))
     interleaved = replace(spec, schedule="interleaved-1f1b")
-    try:
-        validate(interleaved, world_size=run.world_size)
-    except SpecError:  # its micro-batches do not run in rounds of pp
-        interleaved = None
-    if virtual == 1 and shape.layers and shape.layers % (2 * pp) == 0 and interleaved is not None:
+    if virtual == 1 and shape.layers and shape.layers % (2 * pp) == 0:
+        try:
+            validate(interleaved, world_size=run.world_size)
+        except SpecError:  # its micro-batches do not run in rounds of pp
+            return out
         e2 = run_estimate(run, hw, schedule="interleaved-1f1b", virtual=2)
         after = theory(m, "interleaved-1f1b", 2)
         out.append((e.step_s - e2.step_s, Suggestion(

@@ -363,6 +363,14 @@ def _gated_layer(m: ModelShape, t: Training, tp: int, sp: bool, autocast: bool, 
     return (norms + split) / tp + unsplit if sp else norms + unsplit + split / tp
 
 
+def _rank_stages(pp: int, virtual: int, schedule: str):
+    """Per pipeline rank: (its share of the blocks, whether it runs the first stage, the last)."""
+    stages = pp * virtual
+    for r in range(pp):
+        mine = stage_indices(r, pp, virtual, schedule)
+        yield len(mine) / stages, 0 in mine, stages - 1 in mine
+
+
 def pipeline_holdings(m: ModelShape, pp: int, virtual: int = 1, schedule: str = "1f1b", tied: tuple = ()) -> list:
     """[(parameter elements, parameter tensors)] each pipeline rank holds, by nbtool.rank.pipeline's split:
     the blocks evenly over the pp x V stages, the first stage's ends (embeddings) and the last's (final
@@ -375,12 +383,9 @@ def pipeline_holdings(m: ModelShape, pp: int, virtual: int = 1, schedule: str = 
     block_elements = m.params - sum(before) - sum(after) + sum(shared)
     # tensors: counted where the module was (a shape from a formula has one in all)
     block_tensors = len(numels) - len(before) - len(after) + len(shared) if m.numels else 0
-    stages = pp * virtual
     out = []
-    for r in range(pp):
-        mine = stage_indices(r, pp, virtual, schedule)
-        first, last = 0 in mine, stages - 1 in mine
-        elements, tensors = block_elements * len(mine) / stages, block_tensors * len(mine) / stages
+    for share, first, last in _rank_stages(pp, virtual, schedule):
+        elements, tensors = block_elements * share, block_tensors * share
         for part, held in ((before, first), (after, last)):
             if held:
                 elements, tensors = elements + sum(part), tensors + len(part)
@@ -398,11 +403,7 @@ def pipeline_work(m: ModelShape, pp: int, virtual: int = 1, schedule: str = "1f1
         return [1.0 / pp] * pp
     before, after, shared = m.ends
     blocks = m.params - sum(before) - sum(after) + sum(shared)
-    stages = pp * virtual
-    work = []
-    for r in range(pp):
-        mine = stage_indices(r, pp, virtual, schedule)
-        work.append(blocks * len(mine) / stages + (sum(after) if stages - 1 in mine else 0))
+    work = [blocks * share + (sum(after) if last else 0) for share, _, last in _rank_stages(pp, virtual, schedule)]
     return [w / sum(work) for w in work]
 
 

@@ -16,7 +16,7 @@ import statistics
 from dataclasses import dataclass, field, replace
 
 from .. import run_analysis
-from ..spec import StrategySpec, bucket_element_bytes
+from ..spec import StrategySpec, bucket_element_bytes, pipeline_schedule
 from . import cpu_costs
 from .estimate import (DDP_INFLIGHT, MFU, P2P, REDUCE_BUCKET, REUSE_LIMIT, SP_GATHER, SP_SCATTER, ZERO3_FETCH, Estimate,
                        estimate, sequence)
@@ -232,7 +232,7 @@ def layout_options(run) -> dict:
     """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate), DDP's buckets
     (--bucket-mb), pipeline schedule (--schedule, --virtual-stages), sequence parallelism (--sp) and
     weights tied across stages."""
-    from ..spec import hsdp_dims, pipeline_schedule
+    from ..spec import hsdp_dims
 
     spec = spec_of(run)
     schedule, virtual = pipeline_schedule(spec)
@@ -616,7 +616,7 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
         source += f"; {format_bytes(workspace)} of it cuBLAS workspaces (measured at the run's end), predicted alike"
     rows.append(Row("peak tensor memory", peak, e.device_total, "B", source,
                     TOLERANCE["peak tensor memory"] if peak is not None else None,
-                    _activation_note(parts, e, layout_options(run)["schedule"] if pp > 1 else "")
+                    _activation_note(parts, e, pipeline_schedule(spec_of(run))[0] if pp > 1 else "")
                     if peak is not None else ""))
     bucket = reduce_bucket_bytes(run)
     if peak is None and bucket >= e.device_total / 2:  # measured, the advice says what to change
