@@ -154,13 +154,19 @@ RULES = [
     # seed rule 3: extreme memory pressure (> 16 GPUs' worth of states) -> ZeRO-3 + CPU offload
     ("70B-class (80L, 8192h)", HARDWARE_PRESETS["8x A100-40GB NVLink"].scaled(nodes=2),
      Training(micro_batch=1, checkpointing="full"), "zero3-offload", ["ZeRO-3 + CPU offload", "host"]),
-    # seed rule 4: hundreds of billions of parameters on a fast network -> Megatron TP + PP
+    # seed rule 4: hundreds of billions of parameters on a fast network -> Megatron TP + PP (FSDP over dp)
+    ("GPT-3 175B", HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=16),
+     Training(micro_batch=1, grad_accum=16, checkpointing="selective"), "tp-pp",
+     ["Megatron TP 8 x PP 4 x FSDP 4", "bubble"]),
+    # on half the nodes: TP inside each node, FSDP over the nodes sharding the rest (torchtitan's 2D); its
+    # states counted whole over dp, it had not fit, and TP 8 x PP 8 took its place
     ("GPT-3 175B", HARDWARE_PRESETS["8x A100-80GB NVLink"].scaled(nodes=8),
-     Training(micro_batch=1, grad_accum=16, checkpointing="selective"), "tp-pp", ["Megatron TP 8", "bubble"]),
+     Training(micro_batch=1, grad_accum=16, checkpointing="selective"), "tp", ["Megatron TP 8 x PP 1 x FSDP 8"]),
 ]
 
 
-@pytest.mark.parametrize("model,hw,training,family,mentions", RULES, ids=["ddp", "fsdp", "zero3-offload", "tp-pp"])
+@pytest.mark.parametrize("model,hw,training,family,mentions", RULES,
+                         ids=["ddp", "fsdp", "zero3-offload", "tp-pp", "tp-fsdp"])
 def test_rules_of_thumb(model, hw, training, family, mentions):
     rec = recommend(MODEL_PRESETS[model], training, hw)
     assert rec.best is not None and str(rec.best.layout).startswith(family), str(rec)

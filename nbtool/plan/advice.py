@@ -64,7 +64,7 @@ def measure(run, figure: str) -> float | None:
 def suggest(run, result: Versus) -> list[Suggestion]:
     """Up to three suggestions for ``run`` that the planner predicts to save step time, the largest first."""
     spec = spec_of(run)
-    layout, shape, training, tp, pp = planner_inputs(run)
+    _, shape, training, _, pp = planner_inputs(run)
     e, hw = result.estimate, result.hardware
     out = []
     summary = run_analysis.summary(run)
@@ -83,14 +83,19 @@ def suggest(run, result: Versus) -> list[Suggestion]:
                 f"(alpha {alpha * 1e6:.0f} us)", "collectives / step", buckets, 1.0,
                 f"1 all-reduce per step (all {format_bytes(4 * shape.params)} of gradients in one bucket), "
                 f"{_step_effect(e, e2, step)}; no overlap of the all-reduce with backward left", run.name)))
-    if spec.name == "fsdp" and spec.reshard_after_forward and pp == 1 and tp == 1:
-        e2 = estimate("fsdp-grad-op", shape, training, hw)
+    dims = run.description.dims  # (dp, tp, pp) of tp/pp layouts
+    if spec.name == "fsdp" and spec.reshard_after_forward and (dims is None or dims[0] > 1):
+        # fsdp --tp/--pp with the run's own options; a pipeline gathers each unit M + 1 times a step and
+        # keeps them gathered from the first backward on anyway, so resharding saves it no memory
+        e2 = (run_estimate(run, hw, mesh_reshard=False) if dims is not None
+              else estimate("fsdp-grad-op", shape, training, hw))
         before = summary["bus_bytes_per_step"]
         after = before * e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else before
         extra = e2.device_total - e.device_total
+        times = f"{training.grad_accum + 1} times" if pp > 1 else "twice"
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, reshard_after_forward=False)),
-            f"every unit is all-gathered twice per step ({format_bytes(before)} bus bytes measured)",
+            f"every unit is all-gathered {times} per step ({format_bytes(before)} bus bytes measured)",
             "bus bytes / step", before, after,
             f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
             f"memory {_signed_bytes(extra)} (units stay gathered from forward to backward), "
@@ -112,7 +117,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
     if pp > 1:
         out += _pipeline(run, spec, shape, training, pp, e, hw, step)
     if spec.precision == "fp32" and spec.name in ("fsdp", "zero2", "zero3") and cuda:  # on CPU bf16 is no faster
-        e2 = estimate(layout, shape, replace(training, precision="bf16"), hw, tp=tp, pp=pp)
+        e2 = run_estimate(run, hw, precision="bf16")
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, precision="bf16")), "fp32 parameters are gathered in 4 bytes each",
             "bus bytes / step", summary["bus_bytes_per_step"],

@@ -44,6 +44,13 @@ Sources, per figure:
   tensor (``_gated_layer``): within 1% of what autograd saved in fp32 and
   pure bf16, 4% under autocast, on three shapes (Korthikanti's layer was 17%
   short at I = 2h, 71% at I = 4h).
+  FSDP around tensor/pipeline parallelism (fsdp --tp/--pp; the planner's
+  mixed-precision lines with dp above 1) shards each rank's states over dp
+  and gathers and reduce-scatters its stage's units over it
+  (``_fsdp_over_dp``): a pipeline keeps every unit gathered, and its
+  gradients accumulating unsharded in fp32, from the stage's first backward
+  to the step's end (measured on 4 CPU ranks: states and bytes exact, peaks
+  within 5%).
   1F1B pipelines hold p micro-batches
   of L/p layers on the first stage, i.e. L layers' worth (and, from the
   second micro-batch on, the largest weight's gradient computed before it
@@ -203,6 +210,9 @@ class Estimate:
     rank_states: list = field(default_factory=list)
     # a pipeline's ranks' compute by pipeline rank (``compute_s``: rank 0's); one entry elsewhere
     rank_compute_s: list = field(default_factory=list)
+    # a tp/pp layout's data-parallel dimension: FSDP (fsdp --tp/--pp: each rank's states sharded over
+    # dp; the planner's mixed-precision lines) or plain replicas averaged by one all-reduce (tp/pp lines)
+    dp_sharded: bool = False
     peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
     # reduce-scatter" (ZeRO-3): where ``device`` is taken
 
@@ -286,9 +296,8 @@ class Estimate:
                             micro_batch=t.micro_batch if lay.is_zero else 8)
 
     def _mesh_word(self, t: Training) -> str:
-        # tp/pp keep fp32 replicas over dp (as this estimate assumes); mixed precision runs as
-        # fsdp over dp with MixedPrecisionPolicy, which also shards the states over dp (less memory)
-        if t.precision != "fp32":
+        # FSDP over dp (mixed precision: its MixedPrecisionPolicy), else plain replicas
+        if self.dp_sharded:
             return "fsdp"
         return "pp" if self.layout == "pp" else "tp"  # tp-pp runs as tp --pp
 
@@ -459,7 +468,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
              reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
              tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None,
-             tp_split_parts: int | None = None) -> Estimate:
+             tp_split_parts: int | None = None, fsdp_dp: bool | None = None,
+             mesh_reshard: bool = True) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``prefetch_bucket``: ZeRO-3's
@@ -477,7 +487,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     ``tp_split_parts``: the block parts tensor parallelism splits (a row-parallel projection each, all
     layers; without --sp each all-reduces once forward and once backward), where a plan left some whole
     (nanoGPT's attention, reshaped by the full width: only its MLP is split); None: each layer's attention
-    and MLP."""
+    and MLP. ``fsdp_dp``: a tp/pp layout's data parallelism is FSDP (fsdp --tp/--pp: the states sharded
+    over dp, each stage's units gathered and reduce-scattered over it; ``mesh_reshard``: its
+    --reshard-after-forward), not plain replicas; None: as the layout's line runs (FSDP over a dp
+    above 1 in mixed precision, its MixedPrecisionPolicy)."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -490,7 +503,11 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     largest = m.largest_layer or 0
     frac = (n - 1) / n if n > 1 else 0.0
     held = first_rank_held(pp, virtual, t.grad_accum, schedule) if pp > 1 else 1.0
-    act = activations(m, t, tp, pp, sp, autocast=mixed and (layout == DDP or bool(layout.mesh)), held=held)
+    # FSDP over a dp of 1 would shard nothing and still copy every weight: replicas (autocast) there
+    e.dp_sharded = layout.mesh and (mixed and n > 1 if fsdp_dp is None else fsdp_dp)
+    # autocast over fp32 weights: ddp, and tp/pp's replicas (FSDP casts the weights themselves)
+    act = activations(m, t, tp, pp, sp, autocast=mixed and (layout == DDP or (layout.mesh and not e.dp_sharded)),
+                      held=held)
     e.device["activations"] = act
     if hw.workspace:  # cuBLAS's workspaces, from the same allocator as the tensors (nbtool.plan.inputs)
         e.device["workspace"] = hw.workspace
@@ -521,9 +538,12 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # leaves whole on every tp rank
         ranks = [((held - whole) / tp + whole, tensors)
                  for held, tensors in pipeline_holdings(m, pp, virtual, schedule, tied)]
-        # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own)
-        e.rank_states = [dict(params=4 * shard, grads=4 * shard,
-                              optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard + (4 * tensors if adam else 0))
+        # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own); FSDP
+        # over dp shards the rest
+        over = n if e.dp_sharded else 1
+        e.rank_states = [dict(params=4 * shard / over, grads=4 * shard / over,
+                              optimizer=OPTIMIZER_STATE_BYTES[ledger_optimizer] * shard / over
+                              + (4 * tensors if adam else 0))
                          for shard, tensors in ranks]
         e.device.update(max(e.rank_states, key=lambda d: sum(d.values())))
         shard = ranks[0][0]  # rank 0's, whose collectives the planner counts (as its sends: first_rank_hops)
@@ -594,9 +614,13 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                                "parameters (embeddings with the first stage, final norm and head with the last); "
                                "the memory above is the largest's")
         exposed = e.comm_s
-        dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
+        if e.dp_sharded:
+            dp_s = _fsdp_over_dp(e, hw, m, t, shard, frac, mesh_reshard, cpu)
+        else:
+            dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
-        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False)
+        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False,
+                    accumulated=not (e.dp_sharded and pp > 1))
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -755,6 +779,35 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     return e
 
 
+def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, elements: float, frac: float,
+                  reshard: bool, cpu: bool) -> float:
+    """fsdp --tp/--pp's data parallelism on a rank holding ``elements`` (its stages' tp shards): a unit
+    per block and the stage's root, each gathered in the compute dtype and its gradients
+    reduce-scattered in fp32 over dp (MixedPrecisionPolicy's reduce_dtype), once a step (the earlier
+    micro-batches' are kept unsharded); returns their seconds. Counts the gathered weights they hold
+    at the peak as buffers."""
+    w = 2 if t.precision in ("bf16", "fp16") else 4
+    units = (m.layers / e.pp + 1) if m.layers else 1
+    if e.pp > 1:
+        # torch's pipelining keeps every unit gathered from a stage's first backward to the step's
+        # end, and its unsharded gradients (fp32) accumulating: each forward before the stage's
+        # first backward, or after one (resharded after forward), and each backward that follows a
+        # forward gathers: M + 1 a step for one stage per rank (measured: 15 for 3 units, M = 4)
+        gathers = t.grad_accum + 1 if reshard else 1
+        e.device["buffers"] = e.device.get("buffers", 0) + (w + 4) * elements
+    else:
+        gathers = (2 if reshard else 1) * t.grad_accum
+        unit = (_block_params(m) / e.tp) if m.layers else elements
+        # the unit computed and the one prefetched (gloo, CPU ranks: its flat copy of the output too);
+        # every unit between forward and backward without resharding
+        e.device["buffers"] = e.device.get("buffers", 0) + (
+            (3 if cpu and frac else 2) * w * unit if reshard else w * elements)
+    if not frac:
+        return 0.0
+    return (e.add_comm(hw, "reduce_scatter", e.dp, units, frac * 4 * elements)
+            + e.add_comm(hw, "all_gather", e.dp, units * gathers, frac * w * elements * gathers))
+
+
 def ddp_buckets(grad_bytes: float, cap: float | None = None) -> int:
     """DDP's gradient buckets a step: torch's default (``cap`` None) caps the first at 1 MiB, so that
     backward's first gradients leave early, and the others at 25 MiB; an explicit cap applies to all
@@ -790,7 +843,7 @@ def _owned(device: dict) -> dict:
 
 
 def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool,
-                reduce_at: tuple | None = None) -> None:
+                reduce_at: tuple | None = None, accumulated: bool = True) -> None:
     """Set ``e.device`` to the largest of these moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
     gradients set to None by zero_grad; ZeRO-2, whose gradient partition is made at backward's end):
 
@@ -802,9 +855,12 @@ def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: boo
       ``temporary`` (_adam_temporary);
     - FSDP's first reduce-scatter (``reduce_at``: its buffers and the activations still saved), with
       what backward's start holds besides.
+
+    ``accumulated``: the earlier micro-batches' gradients are in the owned ones (not FSDP's in a
+    pipeline: it accumulates them unsharded, in its buffers, and reduce-scatters them at the step's end).
     """
     e.states = _owned(e.device)
-    start = {k: v for k, v in e.device.items() if k != "grads" or t.grad_accum > 1}
+    start = {k: v for k, v in e.device.items() if k != "grads" or (t.grad_accum > 1 and accumulated)}
     step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
     if temporary:
         step["buffers"] = step.get("buffers", 0) + temporary

@@ -121,7 +121,7 @@ def runnable_choices(rec: "Recommendation", t: Training) -> list:
 def _label(e: Estimate) -> str:
     if not e.layout.mesh:
         return e.layout.label
-    return f"Megatron TP {e.tp} x PP {e.pp} x DP {e.dp}"
+    return f"Megatron TP {e.tp} x PP {e.pp} x {'FSDP' if e.dp_sharded else 'DP'} {e.dp}"
 
 
 def _split(e: Estimate) -> str:

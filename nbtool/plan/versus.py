@@ -248,8 +248,8 @@ def layout_options(run) -> dict:
     elif run.strategy == "ddp" and spec.bucket_mb is not None:
         out["ddp_bucket"] = spec.bucket_mb * 2**20
     if run.description.dims is not None:
-        out["sp"] = bool(spec.sp)
-        out["tied"] = tuple(details.get("pp_tied_elements", ()))
+        out.update(sp=bool(spec.sp), tied=tuple(details.get("pp_tied_elements", ())),
+                   fsdp_dp=run.strategy == "fsdp", mesh_reshard=bool(spec.reshard_after_forward))
     return out
 
 
@@ -587,13 +587,15 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     predicted_states = sum(e.states.values())
     mesh = layout.startswith(("tp", "pp"))
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
-    # a pipeline of plain replicas: each rank's stages' parameters, counted from the model's ends (a run
-    # recorded before runs recorded them is split evenly, unjudged)
-    pp_exact = mesh and tp == 1 and pp > 1 and bool(shape.ends) and run.strategy == "pp"
+    # a pipeline (of plain replicas, or FSDP over dp): each rank's stages' parameters, counted from the
+    # model's ends (a run recorded before runs recorded them is split evenly, unjudged)
+    pp_exact = mesh and tp == 1 and pp > 1 and bool(shape.ends) and run.strategy in ("pp", "fsdp")
     exact = tp_exact or pp_exact
-    # tensor parallelism alone: the planner counts its collectives exactly, from the parts the plan split
-    # (parts it left whole issue none: nanoGPT's attention)
-    tp_bytes_exact = tp_exact and tp == run.world_size and "plan" in run.description.details
+    # the planner counts the collectives exactly: tensor parallelism's from the parts the plan split (parts
+    # it left whole issue none: nanoGPT's attention), alone or inside FSDP over dp (its units' gathers and
+    # reduce-scatters); a pipeline's sends and receives, and its replicas' all-reduce or FSDP's collectives
+    bytes_exact = (tp_exact and "plan" in run.description.details
+                   and (tp == run.world_size or run.strategy == "fsdp")) or pp_exact
     # the planner's states are the ledger theory's (exact) for data parallelism, ZeRO in bf16 and with
     # offload included (its peak's figures are DeepSpeed's estimator's there: nbtool.plan.estimate)
     rows.append(Row("model states", max(states.values(), default=None), predicted_states, "B",
@@ -610,7 +612,7 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     by_op = ", ".join(f"{op} {format_bytes(b)}" for op, b in summary["comm_bytes_per_step"].items() if b)
     rows.append(Row("bus bytes / step", summary["bus_bytes_per_step"] or None, e.comm_bus_bytes, "B",
                     f"recorder: S x nccl-tests bus factor per collective, mean of steps 2..N (S by op: {by_op})",
-                    TOLERANCE["bus bytes / step"] if not mesh or tp_bytes_exact else None))
+                    TOLERANCE["bus bytes / step"] if not mesh or bytes_exact else None))
     peak, source, parts = peak_tensors(run)
     if workspace is not None and peak is not None:
         source += f"; {format_bytes(workspace)} of it cuBLAS workspaces (measured at the run's end), predicted alike"

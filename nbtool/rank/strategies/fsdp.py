@@ -16,9 +16,11 @@ from .ledger import Tally
 
 
 
-def shard_units(model, mesh, spec, replicate_mesh=None) -> tuple[list[str], list[str]]:
+def shard_units(model, mesh, spec, replicate_mesh=None, root=None) -> tuple[list[str], list[str]]:
     """fully_shard the modules of the --wrap classes (innermost first), then the root; the names of
-    the units, and of the modules kept whole (--replicate, on ``replicate_mesh``).
+    the units, and of the modules kept whole (--replicate, on ``replicate_mesh``). ``root``: the
+    module whose forward runs the model, where that is not ``model`` (a pipeline stage of a Hugging
+    Face model: nbtool.rank.model_adapters.StageModule); its hooks gather the parameters no unit holds.
 
     Without --wrap the repeated blocks are the units (accelerate's transformer
     auto-wrap, torchtitan's choice): a Hugging Face model's ``_no_split_modules``
@@ -58,7 +60,7 @@ def shard_units(model, mesh, spec, replicate_mesh=None) -> tuple[list[str], list
         elif type(module).__name__ in wrap:
             fully_shard(module, **kwargs)
             units.append(qualname)
-    fully_shard(model, **kwargs)
+    fully_shard(root or model, **kwargs)
     units.append("<root>")
     return units, replicated
 

@@ -115,8 +115,10 @@ class MeshStrategy(Strategy):
             from ..compile_time import compile_blocks
 
             self.compiled = compile_blocks(model)
-        if self.name == "fsdp":
-            self.units, _ = fsdp_module.shard_units(model, self.mesh["dp"], self.spec)
+        if self.name == "fsdp":  # the stage's root is what the schedule runs (torch's pipelining then
+            # keeps each unit gathered, its gradients unsynced, until the last micro-batch)
+            self.units, _ = fsdp_module.shard_units(model, self.mesh["dp"], self.spec,
+                                                    root=runs[0] if self.pp > 1 else None)
         elif self.spec.precision == "bf16":  # fsdp's is its MixedPrecisionPolicy
             for run in runs if self.pp > 1 else [model]:
                 autocast_forward(run, self.device.type, torch.bfloat16)
