@@ -92,7 +92,9 @@ def suggest(run, result: Versus) -> list[Suggestion]:
         before = summary["bus_bytes_per_step"]
         after = before * e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else before
         extra = e2.device_total - e.device_total
-        times = f"{training.grad_accum + 1} times" if pp > 1 else "twice"
+        # a pipeline's: each forward before the first backward or after one, each backward after a forward
+        gathers = training.grad_accum + 1 if pp > 1 else 2 * training.grad_accum
+        times = "twice" if gathers == 2 else f"{gathers} times"
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, reshard_after_forward=False)),
             f"every unit is all-gathered {times} per step ({format_bytes(before)} bus bytes measured)",

@@ -98,8 +98,10 @@ Sources, per figure:
 - collectives per step, per op (``Estimate.comms``; each pays alpha once),
   as the recorder counts them: DDP one all-reduce per bucket (torch's
   default: a first bucket of 1 MiB, then 25 MiB ones); FSDP per
-  unit (one per block plus the root's) one reduce-scatter and one all-gather
-  (two when resharded after forward); ZeRO-1/2 one all-reduce per
+  unit (one per block plus the root's) one reduce-scatter a step and one
+  all-gather a micro-batch (two when resharded after forward; the earlier
+  micro-batches' gradients accumulate unsharded, in fp32, until the last's
+  reduce-scatter: buffers at the peak); ZeRO-1/2 one all-reduce per
   reduce_bucket_size and one all-gather per allgather_bucket_size; ZeRO-3
   one all-gather per parameter tensor each time it is fetched (70 a step for
   the tutorial model's 70 tensors: measured) and one reduce-scatter per
@@ -619,8 +621,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         else:
             dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
-        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False,
-                    accumulated=not (e.dp_sharded and pp > 1))
+        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False, accumulated=not e.dp_sharded)
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -657,11 +658,13 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # a unit per block and the root's (embeddings, head, final norm) where the blocks are known
         units = (m.layers + 1) if m.layers else 1
         # gathers and reduce-scatters within the shard group, one per unit (two gathers a unit when it is
-        # resharded after forward); under HSDP the gradient shards are then all-reduced across the
-        # replicas; modules kept whole all-reduce their gradients over every device
+        # resharded after forward), gathers every micro-batch and reduce-scatters once a step (the
+        # earlier micro-batches' gradients accumulate unsharded: set_requires_gradient_sync(False));
+        # under HSDP the gradient shards are then all-reduced across the replicas; modules kept whole
+        # all-reduce their gradients over every device
+        gathers = (2 if layout.reshard else 1) * t.grad_accum
         e.add_comm(hw, "reduce_scatter", shard, units, within * sharded * g)
-        e.add_comm(hw, "all_gather", shard, units * (2 if layout.reshard else 1),
-                   within * sharded * w * (2 if layout.reshard else 1))
+        e.add_comm(hw, "all_gather", shard, units * gathers, within * sharded * w * gathers)
         if replicas > 1:
             e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
         if whole:
@@ -672,6 +675,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
         else:
             e.device["buffers"] = (3 if cpu and shard > 1 else 2) * w * unit
+        # accumulating, every unit's gradients unsharded in fp32 (FSDP2 upcasts bf16 ones to the reduce
+        # dtype), from the first micro-batch's backward to the last's reduce-scatters; no sharded ones yet
+        accumulating = 4 * sharded if t.grad_accum > 1 else 0.0
+        e.device["buffers"] += accumulating
         if layout.reshard and m.layers and shard > 1:
             # the last block's reduce-scatter, its activations and gathered weights gone: the next unit
             # prefetched, its gradients cast to the reduction dtype (still there while casting), the
@@ -679,7 +686,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             # weights and activations halve and the reduction's fp32 does not (measured, wide shape: 12
             # units of bf16 weight against the 8 counted at backward's start)
             reduce = w * unit + g * unit + max(w * unit, g * unit / shard + (g * unit if cpu else 0))
-            reduce_at = (reduce, (m.layers - 1) * _act_per_layer(m, t, 1, False) if act else 0.0)
+            reduce_at = (reduce + accumulating, (m.layers - 1) * _act_per_layer(m, t, 1, False) if act else 0.0)
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:
@@ -766,7 +773,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
-                    buffers_at_step=layout == DDP, reduce_at=reduce_at)
+                    buffers_at_step=layout == DDP, reduce_at=reduce_at, accumulated=not layout.is_fsdp)
     if layout.is_zero:
         # what the ranks own over a step is the ledger theory's (the recorder's ledger to the byte, bf16
         # and offload included: tests/test_strategies.py), also where the peak's figures are DeepSpeed's
@@ -784,8 +791,8 @@ def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, element
     """fsdp --tp/--pp's data parallelism on a rank holding ``elements`` (its stages' tp shards): a unit
     per block and the stage's root, each gathered in the compute dtype and its gradients
     reduce-scattered in fp32 over dp (MixedPrecisionPolicy's reduce_dtype), once a step (the earlier
-    micro-batches' are kept unsharded); returns their seconds. Counts the gathered weights they hold
-    at the peak as buffers."""
+    micro-batches' accumulate unsharded); returns their seconds. Counts the gathered weights and the
+    accumulating gradients they hold at the peak as buffers."""
     w = 2 if t.precision in ("bf16", "fp16") else 4
     units = (m.layers / e.pp + 1) if m.layers else 1
     if e.pp > 1:
@@ -800,8 +807,10 @@ def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, element
         unit = (_block_params(m) / e.tp) if m.layers else elements
         # the unit computed and the one prefetched (gloo, CPU ranks: its flat copy of the output too);
         # every unit between forward and backward without resharding
+        # and, accumulating, every unit's gradients unsharded in fp32 (as fsdp's)
         e.device["buffers"] = e.device.get("buffers", 0) + (
-            (3 if cpu and frac else 2) * w * unit if reshard else w * elements)
+            (3 if cpu and frac else 2) * w * unit if reshard else w * elements) + (
+            4 * elements if t.grad_accum > 1 else 0.0)
     if not frac:
         return 0.0
     return (e.add_comm(hw, "reduce_scatter", e.dp, units, frac * 4 * elements)
@@ -856,8 +865,8 @@ def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: boo
     - FSDP's first reduce-scatter (``reduce_at``: its buffers and the activations still saved), with
       what backward's start holds besides.
 
-    ``accumulated``: the earlier micro-batches' gradients are in the owned ones (not FSDP's in a
-    pipeline: it accumulates them unsharded, in its buffers, and reduce-scatters them at the step's end).
+    ``accumulated``: the earlier micro-batches' gradients are in the owned ones (not FSDP's: it
+    accumulates them unsharded, in its buffers, and reduce-scatters them after the last micro-batch).
     """
     e.states = _owned(e.device)
     start = {k: v for k, v in e.device.items() if k != "grads" or (t.grad_accum > 1 and accumulated)}
