@@ -368,8 +368,8 @@ def test_schedules_with_two_stages_per_rank_train_real_models_as_ddp_does(nano, 
 
 
 # every strategy saves once and loads once (a cycle), plus zero3 into itself
-PAIRS = [("ddp", "zero3"), ("zero3", "fsdp"), ("fsdp", "tp"), ("tp", "pp"), ("pp", "zero1"), ("zero1", "zero2"),
-         ("zero2", "ddp"), ("zero3", "zero3")]
+PAIRS = [("ddp", "zero3"), ("zero3", "fsdp"), ("fsdp", "tp"), ("tp", "pp"), ("pp", "fsdp --pp 2"),
+         ("fsdp --pp 2", "zero1"), ("zero1", "zero2"), ("zero2", "ddp"), ("zero3", "zero3")]
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt"])
