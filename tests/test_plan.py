@@ -771,33 +771,46 @@ def test_peak_is_the_larger_of_backward_start_and_the_optimizer_step():
     assert cpu.device["buffers"] == cpu.states["grads"] + 2 * 4 * max(m.numels)
 
 
-def test_fsdp_peaks_at_backward_start_or_at_its_first_reduce_scatter():
-    """FSDP: at backward's start every activation is alive with two gathered units (three on CPU ranks:
-    gloo gathers into a flat copy); at the last block's reduce-scatter that block's activations are gone
-    and the next unit is prefetched, with the gradients in the reduction dtype (fp32), the output shard
-    and, on CPU ranks, gloo's copy of the input. In fp32 with a batch whose activations outweigh a unit,
-    backward's start is larger; in bf16 (16-bit weights and activations, fp32 reduction) the
-    reduce-scatter is (measured on the wide shape: 12 units of bf16 weights alive there)."""
-    from nbtool.plan.estimate import _act_per_layer, _block_params
+def test_fsdp_peaks_in_the_blocks_backward_at_the_heads_or_at_its_first_reduce_scatter():
+    """FSDP (resharding after forward, the root unit too): in the blocks' backward every block's
+    activations are alive with two gathered units (three on CPU ranks: gloo gathers into a flat copy)
+    and the root unit (embeddings, final norm, head), gathered for the head's backward and kept to the
+    end; at the last block's reduce-scatter that block's activations are gone and the next unit is
+    prefetched, with the gradients in the reduction dtype (fp32), the output shard and, on CPU ranks,
+    gloo's copy of the input. In fp32 with a batch whose activations outweigh a unit the blocks'
+    backward is larger; in bf16 (16-bit weights and activations, fp32 reduction) the reduce-scatter
+    is (measured on the wide shape: 12 units of bf16 weights alive there). A head 8192 words wide: the
+    head's backward, its root unit gathered twice over (the collective's output and the copy out of
+    it) after the loss's log_softmax output and first gradient are gone (FSDPMemTracker on CPU ranks:
+    49.0 MiB there; counting three units at the loss's backward had put it 24% over)."""
+    from nbtool.plan.estimate import _act_per_layer, _block_params, _root_params, activations
 
     m = ModelShape.from_module(TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32), seq=32)
-    unit = _block_params(m)
+    unit, root = _block_params(m), _root_params(m)
+    assert root == sum(p.numel() for n, p in TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32)
+                       .named_parameters() if not n.startswith("blocks."))
     cpu, gpu = HARDWARE_PRESETS["2 CPU ranks (gloo)"], replace(HARDWARE_PRESETS["8x H100-80GB NVLink"], devices_per_node=2)
     fp32 = estimate("fsdp", m, Training(micro_batch=8, seq=32, precision="fp32"), cpu)
-    assert fp32.peak_phase == "backward start" and fp32.device["buffers"] == 3 * 4 * unit
+    assert fp32.peak_phase == "blocks' backward" and fp32.device["buffers"] == 3 * 4 * unit + 4 * root
     t = Training(micro_batch=8, seq=32, precision="bf16")
     bf16 = estimate("fsdp", m, t, cpu)
     assert bf16.peak_phase == "first reduce-scatter", bf16.device
-    assert bf16.device["buffers"] == (2 + 4 + 4 / 2 + 4) * unit  # prefetched, fp32 input, its shard, gloo's copy
+    # prefetched, fp32 input, its shard, gloo's copy; the root kept
+    assert bf16.device["buffers"] == (2 + 4 + 4 / 2 + 4) * unit + 2 * root
     assert bf16.device["activations"] == (m.layers - 1) * _act_per_layer(m, t, 1, False)
     assert "grads" not in bf16.device and _model_states(bf16) == _model_states(fp32)
     on_gpus = estimate("fsdp", m, t, gpu)  # no gloo copies; the bf16 gradients still there while cast
     assert on_gpus.peak_phase == "first reduce-scatter"
-    assert on_gpus.device["buffers"] == (2 + 4 + max(2, 4 / 2)) * unit
-    assert estimate("fsdp", m, Training(micro_batch=64, seq=32, precision="bf16"), cpu).peak_phase == "backward start"
+    assert on_gpus.device["buffers"] == (2 + 4 + max(2, 4 / 2)) * unit + 2 * root
+    assert estimate("fsdp", m, Training(micro_batch=64, seq=32, precision="bf16"), cpu).peak_phase == "blocks' backward"
     # without resharding after forward every unit stays gathered: backward's start
     kept = estimate("fsdp-grad-op", m, t, cpu)
     assert kept.peak_phase == "backward start"
+    wide_head = ModelShape.from_module(TinyTransformer(vocab=8192, dim=128, heads=4, layers=4, seq=32), seq=32)
+    t = Training(micro_batch=8, seq=32, precision="fp32")
+    head = estimate("fsdp", wide_head, t, cpu)
+    assert head.peak_phase == "head's backward" and head.device["buffers"] == 2 * 4 * _root_params(wide_head)
+    assert head.device["activations"] == activations(wide_head, t) - 8 * 32 * 8 * 8192
 
 
 def test_fused_qkv_casts_the_norm_output_once_under_autocast():

@@ -6,11 +6,14 @@ Sources, per figure:
   (``expected_ledger``: fp32 weights, gradients and Adam state, sharded by
   FSDP; bf16 compute via autocast / MixedPrecisionPolicy); DDP adds its
   gradient buckets (a second copy of the gradients unless
-  ``--grad-as-bucket-view``); FSDP holds gathered units as buffers
-  (2 units: the current one and the prefetched one; all of them between
-  forward and backward without resharding) at backward's start, every
-  activation alive; on CPU ranks one more: gloo's flat copy of the gathered
-  output. Or, where larger (bf16: its fp32 reduction does not halve), at the
+  ``--grad-as-bucket-view``); FSDP holds gathered units as buffers: none as
+  the loss's backward starts (the root unit resharded after forward too);
+  the root unit (embeddings, final norm, head) twice over as the head's
+  backward starts, the loss's first gradients gone; in the blocks' backward
+  the root, kept to the end, and 2 units (the current one and the prefetched
+  one; all of them between forward and backward without resharding), every
+  block's activation alive, on CPU ranks one more: gloo's flat copy of the
+  gathered output. Or, where larger (bf16: its fp32 reduction does not halve), at the
   last block's reduce-scatter, that block's activations gone: the prefetched
   unit, the gradients cast to the reduction dtype, the output shard, and on
   CPU ranks gloo's copy of the input. For ZeRO in mixed precision,
@@ -215,8 +218,8 @@ class Estimate:
     # a tp/pp layout's data-parallel dimension: FSDP (fsdp --tp/--pp: each rank's states sharded over
     # dp; the planner's mixed-precision lines) or plain replicas averaged by one all-reduce (tp/pp lines)
     dp_sharded: bool = False
-    peak_phase: str = ""  # "backward start", "optimizer step", "first reduce-scatter" (FSDP) or "last
-    # reduce-scatter" (ZeRO-3): where ``device`` is taken
+    peak_phase: str = ""  # "backward start", "optimizer step", "head's backward", "blocks' backward",
+    # "first reduce-scatter" (FSDP) or "last reduce-scatter" (ZeRO-3): where ``device`` is taken
 
     def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "",
                  wait_s: float = 0.0) -> float:
@@ -426,6 +429,15 @@ def _block_params(m: ModelShape) -> float:
         return 12 * h * h
     kv = (m.kv_heads or m.heads) * (h // m.heads)
     return 2 * h * h + 2 * h * kv + 3 * h * m.gated_mlp + 2 * h  # and its two RMSNorms
+
+
+def _root_params(m: ModelShape) -> float:
+    """The parameters outside the blocks (embeddings, final norm, head: FSDP's root unit): the model's
+    ends where known (a tied weight once), else what the blocks leave."""
+    if m.ends:
+        before, after, shared = m.ends
+        return sum(before) + sum(after) - sum(shared)
+    return max(m.params - (m.layers or 0) * _block_params(m), 0)
 
 
 def _fused_qkv(m: ModelShape) -> bool:
@@ -644,14 +656,14 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                 e.host += e.device.pop("params") * hw.devices_per_node
             e.notes.append("fp32 or non-Adam ZeRO with offload: the ledger theory's states, the optimizer's (and "
                            "with --offload both, ZeRO-3's parameter partitions) counted on the host")
-    reduce_at = None  # FSDP's (buffers, activations) as a unit's gradients are reduce-scattered
+    moments = []  # FSDP's moments in backward: ({category: bytes} over backward's start's, name)
     if layout == DDP:
         e.device["buffers"] = e.device["grads"]  # DDP's gradient buckets copy the gradients
         e.add_comm(hw, "all_reduce", n, ddp_buckets(psi * g, ddp_bucket), 2 * frac * psi * g * compress,
                    link=DDP_INFLIGHT)
     elif layout.is_fsdp:
         w = 2 if mixed else 4
-        unit = largest if not m.layers else max(largest, _block_params(m))
+        unit = _block_params(m) if m.layers else largest  # a block (the root: _root_params)
         sharded = psi - whole
         within = (shard - 1) / shard if shard > 1 else 0.0
         replicas = n // shard
@@ -669,24 +681,40 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
         if whole:
             e.add_comm(hw, "all_reduce", n, 1, 2 * frac * g * whole)
-        # backward's start (every activation alive): FSDP2 holds the unit being computed and the one
-        # prefetched; gloo (CPU ranks) gathers into a flat copy of the output, alive as the prefetch runs
-        if not layout.reshard:
-            e.device["buffers"] = w * psi  # every unit stays gathered from forward to backward
-        else:
-            e.device["buffers"] = (3 if cpu and shard > 1 else 2) * w * unit
         # accumulating, every unit's gradients unsharded in fp32 (FSDP2 upcasts bf16 ones to the reduce
         # dtype), from the first micro-batch's backward to the last's reduce-scatters; no sharded ones yet
         accumulating = 4 * sharded if t.grad_accum > 1 else 0.0
-        e.device["buffers"] += accumulating
-        if layout.reshard and m.layers and shard > 1:
-            # the last block's reduce-scatter, its activations and gathered weights gone: the next unit
-            # prefetched, its gradients cast to the reduction dtype (still there while casting), the
-            # output shard, and on CPU ranks gloo's copy of the input. The larger moment in bf16, whose
-            # weights and activations halve and the reduction's fp32 does not (measured, wide shape: 12
-            # units of bf16 weight against the 8 counted at backward's start)
-            reduce = w * unit + g * unit + max(w * unit, g * unit / shard + (g * unit if cpu else 0))
-            reduce_at = (reduce + accumulating, (m.layers - 1) * _act_per_layer(m, t, 1, False) if act else 0.0)
+        # the blocks' backward (every block's activations alive): FSDP2 holds the unit being computed and
+        # the one prefetched; gloo (CPU ranks) gathers into a flat copy of the output, alive as the
+        # prefetch runs
+        blocks = (3 if cpu and shard > 1 else 2) * w * unit
+        if not layout.reshard:
+            e.device["buffers"] = w * psi + accumulating  # every unit stays gathered from forward to backward
+        elif not m.layers:
+            e.device["buffers"] = blocks + accumulating
+        else:
+            # nbtool reshards the root unit after forward too (it passes the flag; torch's default keeps
+            # the root's gathered): as the loss's backward starts nothing is gathered. The root (embeddings,
+            # final norm, head) is gathered as the head's backward starts, the loss's log_softmax output and
+            # nll's gradient gone (8 of its 12 s b V), into the collective's flat output and copied out of
+            # it (2 copies), and stays gathered until its post-backward at backward's end (measured with
+            # FSDPMemTracker, an 8192-word head on CPU ranks: the peak there, 49.0 MiB; counted as three
+            # units at every activation's moment it had read +24%)
+            e.device["buffers"] = accumulating
+            root = _root_params(m)
+            left = act - 8 * (t.seq or m.seq or 0) * t.micro_batch * (m.vocab or 0) if act else 0.0
+            moments += [({"buffers": 2 * w * root + accumulating, "activations": left}, "head's backward"),
+                        ({"buffers": w * root + blocks + accumulating, "activations": left}, "blocks' backward")]
+            if shard > 1:
+                # the last block's reduce-scatter, its activations and gathered weights gone: the next unit
+                # prefetched, its gradients cast to the reduction dtype (still there while casting), the
+                # output shard, and on CPU ranks gloo's copy of the input. The larger moment in bf16, whose
+                # weights and activations halve and the reduction's fp32 does not (measured, wide shape: 12
+                # units of bf16 weight against the 8 counted at backward's start)
+                reduce = w * unit + g * unit + max(w * unit, g * unit / shard + (g * unit if cpu else 0))
+                moments.append(({"buffers": w * root + reduce + accumulating,
+                                 "activations": (m.layers - 1) * _act_per_layer(m, t, 1, False) if act else 0.0},
+                                "first reduce-scatter"))
     else:  # DeepSpeed ZeRO
         stage = layout.stage
         if not ledger_based:
@@ -773,7 +801,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
-                    buffers_at_step=layout == DDP, reduce_at=reduce_at, accumulated=not layout.is_fsdp)
+                    buffers_at_step=layout == DDP, moments=moments, accumulated=not layout.is_fsdp)
     if layout.is_zero:
         # what the ranks own over a step is the ledger theory's (the recorder's ledger to the byte, bf16
         # and offload included: tests/test_strategies.py), also where the peak's figures are DeepSpeed's
@@ -852,7 +880,7 @@ def _owned(device: dict) -> dict:
 
 
 def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: bool,
-                reduce_at: tuple | None = None, accumulated: bool = True) -> None:
+                moments: list = (), accumulated: bool = True) -> None:
     """Set ``e.device`` to the largest of these moments of a step (DDP, FSDP, tp/pp: torch's optimizers,
     gradients set to None by zero_grad; ZeRO-2, whose gradient partition is made at backward's end):
 
@@ -862,8 +890,8 @@ def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: boo
       (``buffers_at_step``: DDP's buckets; not FSDP's gathered units, resharded after backward, nor
       a pipeline's gradient being added, nor ZeRO-2's reduce bucket), and the optimizer's
       ``temporary`` (_adam_temporary);
-    - FSDP's first reduce-scatter (``reduce_at``: its buffers and the activations still saved), with
-      what backward's start holds besides.
+    - FSDP's moments in backward (``moments``: what each holds other than backward's start, by
+      category, and its name): the head's backward, the blocks' backward and the first reduce-scatter.
 
     ``accumulated``: the earlier micro-batches' gradients are in the owned ones (not FSDP's: it
     accumulates them unsharded, in its buffers, and reduce-scatters them after the last micro-batch).
@@ -873,7 +901,6 @@ def _peak_phase(e: Estimate, t: Training, temporary: float, buffers_at_step: boo
     step = {k: v for k, v in e.device.items() if k != "activations" and (k != "buffers" or buffers_at_step)}
     if temporary:
         step["buffers"] = step.get("buffers", 0) + temporary
-    moments = [(start, "backward start"), (step, "optimizer step")]
-    if reduce_at:
-        moments.append(({**start, "buffers": reduce_at[0], "activations": reduce_at[1]}, "first reduce-scatter"))
-    e.device, e.peak_phase = max(moments, key=lambda d: sum(d[0].values()))
+    candidates = [(start, "backward start"), (step, "optimizer step")] + [({**start, **over}, name)
+                                                                         for over, name in moments]
+    e.device, e.peak_phase = max(candidates, key=lambda d: sum(d[0].values()))
