@@ -833,12 +833,11 @@ def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, element
     else:
         gathers = (2 if reshard else 1) * t.grad_accum
         unit = (_block_params(m) / e.tp) if m.layers else elements
-        # the unit computed and the one prefetched (gloo, CPU ranks: its flat copy of the output too);
-        # every unit between forward and backward without resharding
-        # and, accumulating, every unit's gradients unsharded in fp32 (as fsdp's)
-        e.device["buffers"] = e.device.get("buffers", 0) + (
-            (3 if cpu and frac else 2) * w * unit if reshard else w * elements) + (
-            4 * elements if t.grad_accum > 1 else 0.0)
+        # the unit computed and the one prefetched (gloo, CPU ranks: its flat copy of the output too), or
+        # every unit between forward and backward without resharding; accumulating, every unit's
+        # gradients unsharded in fp32 (as fsdp's)
+        gathered = (3 if cpu and frac else 2) * w * unit if reshard else w * elements
+        e.device["buffers"] = e.device.get("buffers", 0) + gathered + (4 * elements if t.grad_accum > 1 else 0.0)
     if not frac:
         return 0.0
     return (e.add_comm(hw, "reduce_scatter", e.dp, units, frac * 4 * elements)
