@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 from .. import run_analysis
 from ..metrics import format_bytes
 from ..spec import bucket_element_bytes, line_of
-from .estimate import DDP_INFLIGHT, REDUCE_BUCKET, Estimate, estimate
+from .estimate import DDP_INFLIGHT, REDUCE_BUCKET, Estimate, estimate, fsdp_gathers
 from .versus import (Versus, gradients_mb, peak_tensors, planner_inputs, quoted, ran_on_cpu, reduce_bucket_bytes,
                      run_estimate, spec_of, typical_step, zero_config)
 
@@ -92,8 +92,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
         before = summary["bus_bytes_per_step"]
         after = before * e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else before
         extra = e2.device_total - e.device_total
-        # a pipeline's: each forward before the first backward or after one, each backward after a forward
-        gathers = training.grad_accum + 1 if pp > 1 else 2 * training.grad_accum
+        gathers = fsdp_gathers(True, training.grad_accum, pp > 1)
         times = "twice" if gathers == 2 else f"{gathers} times"
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, reshard_after_forward=False)),

@@ -674,7 +674,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # earlier micro-batches' gradients accumulate unsharded: set_requires_gradient_sync(False));
         # under HSDP the gradient shards are then all-reduced across the replicas; modules kept whole
         # all-reduce their gradients over every device
-        gathers = (2 if layout.reshard else 1) * t.grad_accum
+        gathers = fsdp_gathers(layout.reshard, t.grad_accum)
         e.add_comm(hw, "reduce_scatter", shard, units, within * sharded * g)
         e.add_comm(hw, "all_gather", shard, units * gathers, within * sharded * w * gathers)
         if replicas > 1:
@@ -814,6 +814,16 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     return e
 
 
+def fsdp_gathers(reshard: bool, micro_batches: int, pipeline: bool = False) -> int:
+    """All-gathers of each FSDP unit a step: one a micro-batch (two when resharded after forward, the
+    unit gathered again for backward); in a pipeline, whose units stay gathered from the stage's first
+    backward, each forward before it or after one (resharded after forward) and each backward after a
+    forward gathers: M + 1 (measured: 15 for 3 units, M = 4), or 1 without resharding."""
+    if pipeline:
+        return micro_batches + 1 if reshard else 1
+    return (2 if reshard else 1) * micro_batches
+
+
 def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, elements: float, frac: float,
                   reshard: bool, cpu: bool) -> float:
     """fsdp --tp/--pp's data parallelism on a rank holding ``elements`` (its stages' tp shards): a unit
@@ -823,15 +833,12 @@ def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, element
     accumulating gradients they hold at the peak as buffers."""
     w = 2 if t.precision in ("bf16", "fp16") else 4
     units = (m.layers / e.pp + 1) if m.layers else 1
+    gathers = fsdp_gathers(reshard, t.grad_accum, e.pp > 1)
     if e.pp > 1:
         # torch's pipelining keeps every unit gathered from a stage's first backward to the step's
-        # end, and its unsharded gradients (fp32) accumulating: each forward before the stage's
-        # first backward, or after one (resharded after forward), and each backward that follows a
-        # forward gathers: M + 1 a step for one stage per rank (measured: 15 for 3 units, M = 4)
-        gathers = t.grad_accum + 1 if reshard else 1
+        # end, and its unsharded gradients (fp32) accumulating
         e.device["buffers"] = e.device.get("buffers", 0) + (w + 4) * elements
     else:
-        gathers = (2 if reshard else 1) * t.grad_accum
         unit = (_block_params(m) / e.tp) if m.layers else elements
         # the unit computed and the one prefetched (gloo, CPU ranks: its flat copy of the output too), or
         # every unit between forward and backward without resharding; accumulating, every unit's
