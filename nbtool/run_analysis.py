@@ -8,7 +8,9 @@ completion) within the step, so async collectives that overlap each other
 (ZeRO-3's prefetched all-gathers) count once, never summed; ``comm_summed_s``
 keeps the plain sum for comparison. "exposed" is the part the rank's
 training thread was blocked on: blocking collectives for all of their call,
-async ones only while waited (CommWait records), as a union again. A step with
+async ones only while waited (CommWait records) and in flight, as a union
+again: a wait that returns after the completer thread saw the collective done
+was blocked on the GIL hand-off, not on communication, so exposed <= busy. A step with
 an async collective nobody was seen waiting for (DDP's reducer waits on its
 futures in C++) has exposed time None (not measured), never 0. Device clocks
 (CUDA events) time the device, not the host's blocking: None as well.
@@ -57,7 +59,8 @@ def exposed_seconds(comms, waits: dict, lo: float, hi: float) -> float | None:
     if any(c.clock != "wall" or (c.asynchronous and c.seq not in waits) for c in comms):
         return None
     blocked = [(c.t_issue, c.t_issue + c.seconds) for c in comms if not c.asynchronous]
-    blocked += [(w.t, w.t + w.seconds) for c in comms if c.asynchronous for w in waits[c.seq]]
+    blocked += [(max(w.t, c.t_issue), min(w.t + w.seconds, c.t_issue + c.seconds))
+                for c in comms if c.asynchronous for w in waits[c.seq]]  # waited while in flight
     return busy_seconds(blocked, lo, hi)
 
 

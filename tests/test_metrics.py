@@ -479,6 +479,9 @@ def test_exposed_time_counts_only_waits_on_async_collectives():
     run.add([CommWait(0, i, 100.45, 0.05) for i in range(4)])  # all waited in the same 50 ms
     (row,) = step_table(run, 0)
     assert abs(row["comm_s"] - 0.3) < 1e-9 and abs(row["exposed_s"] - 0.05) < 1e-9
+    run.add([CommWait(0, 3, 100.48, 0.1)])  # returned 80 ms after the completer saw it done (the GIL)
+    (row,) = step_table(run, 0)
+    assert abs(row["exposed_s"] - 0.05) < 1e-9  # only the in-flight part: 100.45..100.5
     run.add([CommRecord(0, 9, "all_reduce", 64, 64, 2, "float32", 100.6, 0.1, "wall", 1, 1e9, 1e9,
                         asynchronous=True)])  # a future nobody was seen waiting for (DDP's reducer)
     assert step_table(run, 0)[0]["exposed_s"] is None
@@ -492,7 +495,12 @@ def test_exposed_time_measured_on_real_ranks(ranks):
     zero3, ddp = record(ranks, "zero3"), record(ranks, "ddp")
     assert zero3.waits and all(w.rank in (0, 1) and w.seconds >= 0 for w in zero3.waits)
     rows = per_step(zero3)
-    assert all(r["exposed_s"] is not None and r["exposed_s"] <= r["comm_s"] + 1e-6 for r in rows)
+    assert all(r["exposed_s"] is not None and 0 < r["exposed_s"] <= r["comm_s"] + 1e-9 for r in rows)
+    # two clocks agree: the completer thread's "done" and Work.wait()'s return. What a wait spends
+    # after "done" (blocked on the GIL; measured 10% on 2 cores) is not counted as exposed
+    flight = {(c.rank, c.seq): c.t_issue + c.seconds for c in zero3.comms}
+    late = sum(max(0.0, w.t + w.seconds - max(w.t, flight[w.rank, w.seq])) for w in zero3.waits)
+    assert late < sum(w.seconds for w in zero3.waits) / 3, late
     assert all(r["exposed_s"] is None for r in per_step(ddp))
     table = Comparison([zero3, ddp]).text()
     assert "comm exposed ms/step" in table and table.splitlines()[2].split()[-2] == "-"
