@@ -179,8 +179,9 @@ def _finish(cluster: RankCluster, ranks: list[int], want_summary: bool, timeout:
     try:
         return cluster.view(ranks).apply_async(strategies.finish, want_summary).get(timeout=timeout)
     except Exception as e:  # a rank still stuck (after a timeout/interrupt) or gone
-        print(f"nbtool: could not collect the run's records from every rank ({type(e).__name__}); "
-              "%cluster restart if ranks are stuck", file=sys.stderr)
+        said = str(e).strip().splitlines()  # a CompositeError's last line names the rank and what happened
+        print(f"nbtool: could not collect the run's records from every rank ({type(e).__name__}"
+              f"{': ' + said[-1][:200] if said else ''}); %cluster restart if ranks are stuck", file=sys.stderr)
         return None
 
 

@@ -16,6 +16,15 @@ ranks creeps up by each step's collective buffers.
 Opt-in: under the profiler with its Python tracer a step takes about x1.2-1.3
 as long here (up to x2.5; benchmarks/plan_accuracy.py prints it), and working
 out the categories afterwards takes about as long as the cell ran.
+
+That analysis needs host memory while it runs, in proportion to what was
+recorded: torch materialises every op, allocation and Python call of the
+cell (here 25 MB a step for the tutorial model on one process, 0.5 GB a step
+a rank under fsdp --tp 2 --pp 2, whose DTensor dispatch runs many more).
+Where the host may not hold every rank's at once, its ranks take turns
+(nbtool.rank.host_turns: 8 ranks of that run had the OOM killer take one on
+a 24 GB host), and each gives the memory back to the system when done
+(glibc's ``malloc_trim``; without it an engine kept 0.8-3 GB after the cell).
 """
 from __future__ import annotations
 
@@ -26,14 +35,25 @@ import time
 import torch
 
 from ..metrics import MemoryTimeline
+from .bootstrap import rss
 
 MAX_POINTS = 400  # per rank: enough for a plot, small enough to send to the kernel
 HISTORY_ENTRIES = 200_000  # allocator-history ring buffer (CUDA), several KB each
 
 
+_cells = 0  # timelines this process started: the same count on every rank, so it names a cell's analysis
+# the analysis's RSS growth over the recording's (the cell's growth while it ran, its model included):
+# measured 5x (the tutorial model, one process), 16x (fsdp --tp 2 on 2 ranks, fsdp --tp 2 --pp 2 on 8);
+# a guess, so that ranks whose host plainly holds them all do not take turns
+ANALYSIS_OVER_RECORDING = 25
+
+
 class TimelineRecorder:
-    def __init__(self, rank: int, device: torch.device, export_dir: str | None = None):
-        self.rank, self.device, self.export_dir = rank, device, export_dir
+    def __init__(self, rank: int, device: torch.device, export_dir: str | None = None, ranks_on_host: int = 1):
+        global _cells
+        _cells += 1
+        self.rank, self.device, self.export_dir, self.ranks_on_host = rank, device, export_dir, ranks_on_host
+        self.phase = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}-{_cells}"
         self._prof = None
         self.t0 = 0.0
 
@@ -45,13 +65,31 @@ class TimelineRecorder:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
         # the memory profile needs shapes and the Python tracer to tell parameters and optimizer state apart
         self._prof = profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True)
-        self.t0 = time.time()
+        self.t0, self._rss0 = time.time(), rss()[0]
         self._prof.start()
 
     def stop(self) -> MemoryTimeline:
-        from torch.profiler._memory_profiler import MemoryProfileTimeline
+        """Stop recording and work out the timeline, in this rank's turn among its host's (host_turns)."""
+        import gc
+
+        from .host_turns import host_turns
 
         prof, self._prof = self._prof, None
+        guess = ANALYSIS_OVER_RECORDING * max(rss()[0] - self._rss0, 1 << 20)
+        with host_turns(f"timeline-{self.phase}", self.ranks_on_host, guess) as turn:
+            record = self._analyse(prof)
+            turn.at_height()
+            del prof
+            gc.collect()
+            _give_back_memory()
+        if turn.waited_s > 1:
+            said = f"analysed in turns with this host's other ranks (waited {turn.waited_s:.0f} s)"
+            record.note = f"{record.note}; {said}" if record.note else said
+        return record
+
+    def _analyse(self, prof) -> MemoryTimeline:
+        from torch.profiler._memory_profiler import MemoryProfileTimeline
+
         prof.stop()
         files = []
         if self.device.type == "cuda":
@@ -85,6 +123,16 @@ class TimelineRecorder:
     def _path(self, suffix: str) -> str:
         os.makedirs(self.export_dir, exist_ok=True)
         return os.path.join(os.path.abspath(self.export_dir), f"rank{self.rank}_{suffix}")
+
+
+def _give_back_memory() -> None:
+    """Return freed heap to the system (glibc): the analysis's GBs otherwise stay in the engine's RSS."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: the memory stays with the process for its next use
+        pass
 
 
 def categories() -> list[str]:

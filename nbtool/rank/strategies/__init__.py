@@ -5,6 +5,8 @@ namespace as ``strategy``; the cell then calls ``strategy.prepare(...)``.
 """
 from __future__ import annotations
 
+import os
+
 from ...metrics import MemorySample, MemoryTimeline, RunDescription, format_bytes
 from ...spec import NAMES, StrategySpec
 
@@ -59,7 +61,8 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
     if spec.memory_timeline is not None:  # last, so it records the cell and not nbtool's set-up
         from ..memory_timeline import TimelineRecorder
 
-        _last.timeline = TimelineRecorder(_last.rank, _last.device, spec.memory_timeline or None)
+        _last.timeline = TimelineRecorder(_last.rank, _last.device, spec.memory_timeline or None,
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _last.timeline.start()
     get_ipython().user_ns["strategy"] = _last
 
