@@ -479,7 +479,8 @@ def activations(m: ModelShape, t: Training, tp: int = 1, pp: int = 1, sp: bool =
 
 def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp: int = 1, pp: int = 1,
              persistence_threshold: int = PERSISTENCE_THRESHOLD, reduce_bucket: int = REDUCE_BUCKET,
-             reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None, whole: int = 0,
+             reuse_limit: int = REUSE_LIMIT, compress: float = 1.0, shard: int | None = None,
+             whole: int | tuple = 0,
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
              tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None,
              tp_split_parts: int | None = None, fsdp_dp: bool | None = None,
@@ -491,7 +492,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     compression hook over before (fp16/bf16: 0.5; PowerSGD: see nbtool.plan.versus); ``shard``: fsdp's
     shard group under hybrid sharding (--dp-shard; the rest replicate it), default every device;
     ``whole``: elements fsdp keeps whole on every device (--replicate), or that tensor parallelism leaves
-    whole on every tp rank (embeddings, norms: the run's tp_replicated_elements); ``schedule``, ``virtual``: the
+    whole on every tp rank (embeddings, norms: the run's tp_replicated_elements; under a pipeline a tuple, one
+    per pipeline rank: its stages'); ``schedule``, ``virtual``: the
     pipeline schedule and its stages per rank (the bubble, and the sends of rank 0); ``sp``: sequence
     parallelism with tp (the layouts the planner recommends use it; a run says whether it did);
     ``overlap_comm``: ZeRO-1/2's --overlap-comm (a second reduce bucket, to fill while the first is reduced);
@@ -549,9 +551,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     if layout.mesh:
         tied = tuple(tied) if pp > 1 else ()
         # each pipeline rank's (elements, tensors), its share of the tp-split ones; ``whole``: what tp
-        # leaves whole on every tp rank
-        ranks = [((held - whole) / tp + whole, tensors)
-                 for held, tensors in pipeline_holdings(m, pp, virtual, schedule, tied)]
+        # leaves whole on every tp rank (per pipeline rank where given so)
+        wholes = whole if isinstance(whole, tuple) else (whole,) * pp
+        ranks = [((held - w) / tp + w, tensors)
+                 for (held, tensors), w in zip(pipeline_holdings(m, pp, virtual, schedule, tied), wholes)]
         # Adam's moments, and its fp32 step counter per parameter tensor (each stage holds its own); FSDP
         # over dp shards the rest
         over = n if e.dp_sharded else 1

@@ -245,6 +245,9 @@ def layout_options(run) -> dict:
         out["whole"] = int(details.get("tp_replicated_elements", 0))
         if "plan" in details:  # the parts it split: one row-parallel projection each
             out["tp_split_parts"] = sum(style.startswith("Rowwise") for style in details["plan"].values())
+    elif "tp_by_pp_rank" in details:  # tp x pp: each pipeline rank's stages' figures
+        out["whole"] = tuple(int(w) for w, _ in details["tp_by_pp_rank"])
+        out["tp_split_parts"] = sum(parts for _, parts in details["tp_by_pp_rank"])
     elif run.strategy == "ddp" and spec.bucket_mb is not None:
         out["ddp_bucket"] = spec.bucket_mb * 2**20
     if run.description.dims is not None:
@@ -588,8 +591,9 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     mesh = layout.startswith(("tp", "pp"))
     tp_exact = mesh and pp == 1 and "tp_replicated_elements" in run.description.details
     # a pipeline (of plain replicas, or FSDP over dp): each rank's stages' parameters, counted from the
-    # model's ends (a run recorded before runs recorded them is split evenly, unjudged)
-    pp_exact = mesh and tp == 1 and pp > 1 and bool(shape.ends) and run.strategy in ("pp", "fsdp")
+    # model's ends (a run recorded before runs recorded them is split evenly, unjudged); with tp, what
+    # its plan left whole on each pipeline rank
+    pp_exact = mesh and pp > 1 and bool(shape.ends) and (tp == 1 or "tp_by_pp_rank" in run.description.details)
     exact = tp_exact or pp_exact
     # the planner counts the collectives exactly: tensor parallelism's from the parts the plan split (parts
     # it left whole issue none: nanoGPT's attention), alone or inside FSDP over dp (its units' gathers and

@@ -124,12 +124,20 @@ class MeshStrategy(Strategy):
                 autocast_forward(run, self.device.type, torch.bfloat16)
         repoint_optimizer(optimizer, model, groups, keep_missing=self.pp > 1)
         self._plain = model
+        if self.tp > 1 and self.pp > 1:  # each pipeline rank's tp figures (its stages differ), for the planner
+            mine = (self._tp_replicated(), sum(style_text(v).startswith("Rowwise") for v in self.plan.values()))
+            self.tp_by_pp_rank = [None] * self.pp
+            dist.all_gather_object(self.tp_by_pp_rank, mine, group=self.mesh["pp"].get_group())
         if self.pp > 1:
             self._pipe = pipeline.build_schedule(runs, self.stage_ids, self.stages_total, self.device,
                                                  self.mesh["pp"].get_group(), self.schedule,
                                                  self.microbatches, self.loss_fn)
             model.register_forward_pre_hook(self._refuse_direct_forward)
         return model, optimizer
+
+    def _tp_replicated(self) -> int:
+        """Elements of this rank's model that tensor parallelism leaves whole (embeddings, norms)."""
+        return sum(p.numel() for p in self._plain.parameters() if "tp" not in _sharded_on(p))
 
     def _check_coverage(self, plan, model, tp_plan) -> None:
         """Before anything is sharded: refuse a plan that would train wrong, say what it leaves whole."""
@@ -351,7 +359,9 @@ class MeshStrategy(Strategy):
         d["wrapper"] = " + ".join(parts)
         d["sharding"] = f"dp({self.dp}) x tp({self.tp}) x pp({self.pp})"
         if self.tp > 1 and self._plain is not None:  # what the plan leaves whole (embeddings, norms), for the planner
-            d["tp_replicated_elements"] = sum(p.numel() for p in self._plain.parameters() if "tp" not in _sharded_on(p))
+            d["tp_replicated_elements"] = self._tp_replicated()
+            if self.pp > 1:  # per pipeline rank: (elements left whole, row-parallel parts split)
+                d["tp_by_pp_rank"] = self.tp_by_pp_rank
             d["tp_whole_parts"] = len(self.whole_parts)  # their collectives are not issued
         c = self.coords
         d["mesh"] = (f"DeviceMesh ('pp', 'dp', 'tp') = ({self.pp}, {self.dp}, {self.tp}); this rank is "
