@@ -173,3 +173,33 @@ def test_fsdp_around_tp_or_pp_is_advised_to_keep_its_units_gathered(four, line, 
     assert after < s.before and abs(after - s.predicted) <= 0.02 * s.before, (s, after)
     ops = Counter(c.op for c in nbtool.last_run().comms if c.rank == 0 and c.step == 2)
     assert ops["all_gather"] == gathers  # one a unit: the stage's blocks and its root
+
+
+@pytest.fixture(scope="module")
+def four_hf(four):
+    from hf_cells import NANOGPT, SETUP  # tests/ is on sys.path under pytest
+
+    four.run_cell(SETUP).raise_error()
+    four.run_cell(NANOGPT).raise_error()
+    return four
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt"])
+def test_tp_x_pp_trains_real_models_as_ddp_does_and_is_predicted_per_rank(four_hf, family):
+    """Hugging Face Llama (GQA), GPT-2 (its embedding tied to the head, a copy on each end's stage) and
+    nanoGPT (fused QKV, left whole by the plan) under tp 2 x pp 2, as replicas and inside FSDP: fp32
+    losses equal ddp's, each rank's model states exactly as predicted (what the plan left whole on
+    each pipeline rank: the ends' embeddings, norms and head), the bus bytes within 2%."""
+    ip = four_hf
+    ip.run_cell(f"%%distributed ddp --quiet --no-metrics\n_ref = _losses(strategy, {family!r})").raise_error()
+    ip.run_line_magic("dist_pull", "_ref --rank 0")
+    ref = ip.user_ns["_ref"]
+    for line in ("tp --tp 2 --pp 2", "fsdp --tp 2 --pp 2"):
+        ip.run_cell(f"%%distributed {line} --quiet\n_got = _losses(strategy, {family!r})").raise_error()
+        ip.run_line_magic("dist_pull", "_got --rank 0")
+        assert ip.user_ns["_got"] == pytest.approx(ref, rel=1e-5), line
+        v = nbtool.predicted_vs_measured()
+        states = [r for r in v.rows if "model states" in r.figure]
+        assert len(states) == 5 and all(r.tolerance == 0 and r.within for r in states), v.text()
+        bus = v.row("bus bytes / step")
+        assert bus.tolerance is not None and bus.within, v.text()
