@@ -64,9 +64,14 @@ def reference(layers: int = 2):
                                        ("tp --tp 2 --dp 2 --sp", "dp(2) x tp(2) x pp(1)"),
                                        ("pp --pp 2 --dp 2", "dp(2) x tp(1) x pp(2)"),
                                        ("tp --tp 2 --pp 2", "dp(1) x tp(2) x pp(2)"),
-                                       ("tp --tp 2 --pp 2 --schedule interleaved-zb", "dp(1) x tp(2) x pp(2)")])
+                                       ("tp --tp 2 --pp 2 --schedule interleaved-zb", "dp(1) x tp(2) x pp(2)"),
+                                       # each stage splits its input and gathers its output (a rank's second
+                                       # stage had split an already split input), a whole copy, not a view,
+                                       # for zero bubble's in-place detach
+                                       ("tp --tp 2 --pp 2 --sp --schedule interleaved-1f1b", "dp(1) x tp(2) x pp(2)"),
+                                       ("tp --tp 2 --pp 2 --sp --schedule zbv", "dp(1) x tp(2) x pp(2)")])
 def test_4_rank_layouts_match_reference(four, line, dims):
-    layers = 4 if "interleaved" in line else 2  # two stages per rank: 4 stages of one block
+    layers = 4 if "--schedule" in line else 2  # two stages per rank: 4 stages of one block
     four.run_cell(f"%%distributed {line} --quiet\n_pout = _ptrain(strategy, layers={layers}, "
                   f"batch={4 if 'dp 2' in line or 'fsdp' in line else 8})").raise_error()
     four.run_line_magic("dist_pull", "_pout")
@@ -187,15 +192,22 @@ def four_hf(four):
 @pytest.mark.parametrize("family", ["llama", "gpt2", "nanogpt"])
 def test_tp_x_pp_trains_real_models_as_ddp_does_and_is_predicted_per_rank(four_hf, family):
     """Hugging Face Llama (GQA), GPT-2 (its embedding tied to the head, a copy on each end's stage) and
-    nanoGPT (fused QKV, left whole by the plan) under tp 2 x pp 2, as replicas and inside FSDP: fp32
-    losses equal ddp's, each rank's model states exactly as predicted (what the plan left whole on
-    each pipeline rank: the ends' embeddings, norms and head), the bus bytes within 2%."""
+    nanoGPT (fused QKV, left whole by the plan) under tp 2 x pp 2, as replicas and inside FSDP, and
+    with sequence parallelism: fp32 losses equal ddp's, each rank's model states exactly as predicted
+    (what the plan left whole on each pipeline rank: the ends' embeddings, norms and head), the bus
+    bytes within 2% (under --sp each stage gathers its first block's input gradient and its output:
+    counted once a micro-batch, the bytes had been 6-7% short). nanoGPT's attention, left whole, is
+    refused under --sp before training, by name."""
     ip = four_hf
     ip.run_cell(f"%%distributed ddp --quiet --no-metrics\n_ref = _losses(strategy, {family!r})").raise_error()
     ip.run_line_magic("dist_pull", "_ref --rank 0")
     ref = ip.user_ns["_ref"]
-    for line in ("tp --tp 2 --pp 2", "fsdp --tp 2 --pp 2"):
-        ip.run_cell(f"%%distributed {line} --quiet\n_got = _losses(strategy, {family!r})").raise_error()
+    for line in ("tp --tp 2 --pp 2", "fsdp --tp 2 --pp 2", "tp --tp 2 --pp 2 --sp"):
+        result = ip.run_cell(f"%%distributed {line} --quiet\n_got = _losses(strategy, {family!r})")
+        if family == "nanogpt" and "--sp" in line:
+            assert not result.success and "transformer.h.0.attn.c_attn" in str(result.error_in_exec)
+            continue
+        result.raise_error()
         ip.run_line_magic("dist_pull", "_got --rank 0")
         assert ip.user_ns["_got"] == pytest.approx(ref, rel=1e-5), line
         v = nbtool.predicted_vs_measured()

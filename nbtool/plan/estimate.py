@@ -580,10 +580,10 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
             per_op = (tp - 1) / tp * s * b * h * (2 if mixed else 4)  # one s*b*h activation's bus bytes
             if sp:
                 # each of tp's all-reduces becomes a reduce-scatter and an all-gather (forward and
-                # backward: 4 of each a layer, the same bus bytes), and the first block's input gradient
-                # and the last block's output (the head's input) are gathered too, on the stage holding
-                # them (rank 0's: the first's, or both without pp); measured on CPU ranks
-                gathers = (4 * layers_here + (2 if pp == 1 else 1)) * t.grad_accum
+                # backward: 4 of each a layer, the same bus bytes), and each stage's first block's input
+                # gradient and last block's output (the next stage's input, or the head's) are gathered
+                # too: 2 a stage of rank 0's (measured on CPU ranks, 1 and 2 stages a rank)
+                gathers = (4 * layers_here + 2 * (virtual if pp > 1 else 1)) * t.grad_accum
                 scatters = 4 * layers_here * t.grad_accum
                 if cpu:  # DTensor's redistribute per gather / scatter: host work (nbtool.plan.cpu_costs)
                     e.compute_s += hw.host_speed * cpu_costs.S_PER_SP_COLLECTIVE * (gathers + scatters)

@@ -23,7 +23,9 @@ the common transformer block shape, Megatron's layout:
 - with ``sp`` the blocks' layer norms run on sequence shards
   (SequenceParallel), the all-reduces become all-gather + reduce-scatter
   pairs, and the first block's input is split (the last block's output
-  gathered) so embeddings and head stay as written.
+  gathered) so embeddings and head stay as written; under a pipeline each
+  stage's, so what crosses from one stage to the next is whole (a rank with
+  two stages had split the second's input again: a size mismatch).
 
 Everything else (embeddings, final norm, head) stays replicated.
 
@@ -61,12 +63,13 @@ WHAT_IS_SPLIT = (
     "nanoGPT's C from x.size()) does not, so that part stays whole.")
 
 
-def default_plan(model: nn.Module, sp: bool, mesh=None) -> dict:
+def default_plan(model: nn.Module, sp: bool, mesh=None, stages: list | None = None) -> dict:
     """Megatron's layout for every block of ``model`` (see the module docstring).
 
     A fused q/k/v projection is split only as ``probe_fused`` finds its part
     computes the same sharded as whole (that needs the tensor-parallel
     ``mesh``); otherwise the part stays replicated and ``coverage`` says so.
+    ``stages``: the block keys of each pipeline stage this rank runs (None: one, every block).
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
@@ -109,8 +112,8 @@ def default_plan(model: nn.Module, sp: bool, mesh=None) -> dict:
                 f"row-parallel linear ({', '.join(ATTENTION_OUT[:3])} ... or {', '.join(MLP_OUT[:3])} ...); "
                 "pass plan={'blocks.*.attn.q_proj': ColwiseParallel(), ...} to strategy.prepare"
             )
-    if sp and len(blocks):  # split the first block's input along the sequence, gather the last one's output
-        keys = [k for k, _ in blocks.named_children()]
+    # split each stage's first block's input along the sequence, gather its last one's output
+    for keys in (stages or [[k for k, _ in blocks.named_children()]]) if sp and len(blocks) else ():
         first, last = f"{prefix}.{keys[0]}", f"{prefix}.{keys[-1]}"
         split, gather = BlockInput(Replicate(), Shard(1), local=True), tp_styles.block_output_style()()
         if first == last:  # one block: both on it

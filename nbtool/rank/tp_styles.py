@@ -196,7 +196,10 @@ def block_output_style():
             def gather(x):
                 if not isinstance(x, DTensor):
                     x = DTensor.from_local(x, mesh, (Shard(1),), run_check=False)
-                return x.redistribute(placements=(Replicate(),)).to_local()
+                out = x.redistribute(placements=(Replicate(),)).to_local()
+                # a stage's output under the zero-bubble schedules is detached in place once its input
+                # gradients are computed (torch.distributed.pipelining), which a view refuses
+                return out.clone() if out._is_view() else out
 
             def hook(_, args, out):
                 if isinstance(out, tuple):

@@ -104,7 +104,8 @@ class MeshStrategy(Strategy):
             from torch.distributed.tensor.parallel import parallelize_module
 
             if plan is None:
-                plan = tp_plan.default_plan(model, self.spec.sp, self.mesh["tp"])
+                plan = tp_plan.default_plan(model, self.spec.sp, self.mesh["tp"],
+                                            self._stage_blocks(model) if self.pp > 1 else None)
                 tp_plan.check_plan(plan, model, self.tp)
                 self._check_coverage(plan, model, tp_plan)
             self.heads = tp_plan.localize_heads(plan, model, self.tp)
@@ -134,6 +135,14 @@ class MeshStrategy(Strategy):
                                                  self.microbatches, self.loss_fn)
             model.register_forward_pre_hook(self._refuse_direct_forward)
         return model, optimizer
+
+    def _stage_blocks(self, model) -> list:
+        """The block keys of each stage this rank runs (the cut model keeps them under their global
+        indices; stage s has blocks s x per .. (s + 1) x per - 1)."""
+        from ..model_adapters import block_list
+
+        per = len(block_list(model)[1]) // len(self.stage_ids)
+        return [[str(j) for j in range(s * per, (s + 1) * per)] for s in sorted(self.stage_ids)]
 
     def _tp_replicated(self) -> int:
         """Elements of this rank's model that tensor parallelism leaves whole (embeddings, norms)."""
