@@ -236,8 +236,8 @@ def test_checkpoint_weights_identical_across_strategies(ip, cluster, capsys, tmp
         assert all(torch.equal(sd[k], ref[k]) for k in ref), name
         assert info["steps"] == 4 and info["saved_by"] == "ddp"
         assert info["restored"] == ("model and optimizer" if name == "ddp" else
-                                    "model only (optimizer state was saved by ddp on 2 rank(s); it restores "
-                                    "only under the same strategy and world size)")
+                                    "model only (optimizer state was saved by ddp on 2 rank(s), pipeline 1x1; "
+                                    "it restores only under the same strategy, world size and pipeline split)")
 
 
 @pytest.mark.parametrize("strategy", ["fsdp", "zero2"])

@@ -4,7 +4,7 @@ Layout of a checkpoint directory ``PATH``::
 
     PATH/latest                 {"dir": "ckpt-000012-ab12cd34"}  (switched last, atomically)
     PATH/ckpt-000012-ab12cd34/
-        meta.json               strategy, world size, steps, parameter names
+        meta.json               strategy, world size, pipeline split, steps, parameter names
         model/                  torch.distributed.checkpoint (DCP) of the model state dict
         optim/                  DCP of the optimizer (ddp, fsdp, tp, pp)
         deepspeed/              DeepSpeed's own checkpoint (zero1-3: optimizer partitions)
@@ -16,8 +16,10 @@ strategy; this module keeps the directory protocol.
 The model is saved under the plain model's parameter names, as full tensors
 (ddp, zero1-3) or DTensor shards (fsdp); DCP reshards on load, so weights
 saved under one strategy load under any other, at any world size. The
-optimizer state is restored only under the strategy and world size that
-saved it (each shards it differently).
+optimizer state is restored only under the strategy, world size and
+pipeline split (pp x stages a rank) that saved it (each shards it
+differently: a stage's optimizer holds its own parameters only, and fsdp's
+whole-model state had failed to load into fsdp --pp's).
 
 Atomic: every rank writes into a fresh ``ckpt-*`` directory; only when all
 have finished (a barrier) does rank 0 write ``meta.json`` and switch
@@ -58,7 +60,8 @@ def save(strategy, path: str) -> dict:
     names = [None] * dist.get_world_size()  # pipeline stages each hold part of the model
     dist.all_gather_object(names, sorted(model_sd))
     meta = {"format": FORMAT, "strategy": strategy.name, "precision": strategy.spec.precision,
-            "world_size": strategy.world_size, "steps": strategy.steps, "time": time.time(),
+            "world_size": strategy.world_size, "pipeline": _pipeline(strategy), "steps": strategy.steps,
+            "time": time.time(),
             "params": sorted(set().union(*names))}
     if dist.get_rank() == 0:
         with open(os.path.join(target, "meta.json"), "w") as f:
@@ -89,7 +92,8 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
             for what, names in (("missing", missing), ("unexpected", unexpected)) if names))
     dcp.load(sd, checkpoint_id=os.path.join(d, "model"))
     strategy.apply_model_state(sd)
-    same = meta["strategy"] == strategy.name and meta["world_size"] == strategy.world_size
+    same = (meta["strategy"] == strategy.name and meta["world_size"] == strategy.world_size
+            and meta.get("pipeline", [1, 1]) == _pipeline(strategy))
     restored_optimizer = optimizer and same
     if restored_optimizer:
         strategy.load_optimizer(d)
@@ -97,10 +101,16 @@ def load(strategy, path: str, optimizer: bool = True) -> dict:
     dist.barrier()
     note = "model and optimizer" if restored_optimizer else (
         "model only" + ("" if not optimizer else
-                        f" (optimizer state was saved by {meta['strategy']} on {meta['world_size']} rank(s); "
-                        f"it restores only under the same strategy and world size)"))
+                        f" (optimizer state was saved by {meta['strategy']} on {meta['world_size']} rank(s), "
+                        f"pipeline {'x'.join(map(str, meta.get('pipeline', [1, 1])))}; it restores only under the "
+                        "same strategy, world size and pipeline split)"))
     return {"path": path, "dir": os.path.basename(d), "steps": meta["steps"], "saved_by": meta["strategy"],
             "restored": note}
+
+
+def _pipeline(strategy) -> list:
+    """[pp, stages a rank] of ``strategy``'s layout ([1, 1] without a pipeline)."""
+    return [getattr(strategy, "pp", 1), getattr(strategy, "virtual", 1)]
 
 
 def _dir_bytes(path: str) -> int:

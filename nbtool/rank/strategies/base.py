@@ -113,7 +113,7 @@ class Strategy:
                  checkpoint_id=os.path.join(directory, "optim"))
 
     def load_optimizer(self, directory: str) -> None:
-        """Restore the optimizer state ``save_optimizer`` wrote (same strategy and world size)."""
+        """Restore the optimizer state ``save_optimizer`` wrote (same strategy, world size and pipeline split)."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
