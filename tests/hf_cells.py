@@ -118,3 +118,27 @@ def _state_after(strategy, family, seed=0, steps=2):  # the full state dict afte
     _losses(strategy, family, steps, seed)
     return strategy.full_state_dict()
 """
+
+
+
+# a cell body that loads the checkpoint at {path!r} into {family!r} under the cell's strategy and compares it
+# with ``_saved`` (rank 0): ``_ok`` identical, ``_tied`` GPT-2's head still its embedding, ``_note`` what loaded
+_LOAD_AND_COMPARE = (
+    "_losses(strategy, {family!r}, steps=0, seed=1)\n_note = strategy.load({path!r})['restored']\n"
+    "_loaded = strategy.full_state_dict()\n"
+    "_ok = _same(_saved, _loaded) if rank == 0 else None\n"
+    "_tied = None\n"
+    "if rank == 0:\n"
+    "    _pair = [k for k in _loaded if k.endswith('lm_head.weight') or k.endswith('wte.weight')]\n"
+    "    _tied = len(_pair) == 2 and torch.equal(*(_loaded[k] for k in _pair))")
+
+
+def move_checkpoint(ip, family: str, first: str, second: str, path: str) -> tuple:
+    """Train ``family`` under the line ``first`` and save to ``path``; load it under ``second``. Rank 0's
+    (identical weights, tied weights still tied, what loaded: strategy.load's "restored")."""
+    ip.run_cell(f"%%distributed {first} --quiet --no-metrics\n"
+                f"_saved = _state_after(strategy, {family!r})\nstrategy.save({path!r})").raise_error()
+    ip.run_cell(f"%%distributed {second} --quiet --no-metrics\n"
+                + _LOAD_AND_COMPARE.format(family=family, path=path)).raise_error()
+    ip.run_line_magic("dist_pull", "_ok _tied _note --rank 0")
+    return ip.user_ns["_ok"], ip.user_ns["_tied"], ip.user_ns["_note"]

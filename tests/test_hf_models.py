@@ -8,7 +8,7 @@ process-wide state behind (ZeRO-3 replaced ``torch.nn.functional.linear``).
 from __future__ import annotations
 
 import pytest
-from hf_cells import NANOGPT, SETUP  # tests/ is on sys.path under pytest
+from hf_cells import NANOGPT, SETUP, move_checkpoint  # tests/ is on sys.path under pytest
 
 import nbtool
 
@@ -261,21 +261,10 @@ PAIRS = [("ddp", "zero3"), ("zero3", "fsdp"), ("fsdp", "tp"), ("tp", "pp"), ("pp
 def test_checkpoints_move_between_strategies(nano, tmp_path, family, first, second):
     """Weights saved under one strategy load under another identically (tied weights restored tied,
     the rotary inv_freq buffer neither saved nor required, fused q/k/v back in [q | k | v] order)."""
-    path = str(tmp_path / f"{family}-{first}")
-    nano.run_cell(f"%%distributed {first} --quiet --no-metrics\n"
-                  f"_saved = _state_after(strategy, {family!r})\nstrategy.save({path!r})").raise_error()
-    nano.run_cell(f"%%distributed {second} --quiet --no-metrics\n"
-                  f"_losses(strategy, {family!r}, steps=0, seed=1)\nstrategy.load({path!r})\n"
-                  "_loaded = strategy.full_state_dict()\n"
-                  "_ok = _same(_saved, _loaded) if rank == 0 else None\n"
-                  "_tied = None\n"
-                  "if rank == 0:\n"
-                  "    _pair = [k for k in _loaded if k.endswith('lm_head.weight') or k.endswith('wte.weight')]\n"
-                  "    _tied = len(_pair) == 2 and torch.equal(*(_loaded[k] for k in _pair))").raise_error()
-    nano.run_line_magic("dist_pull", "_ok _tied --rank 0")
-    assert nano.user_ns["_ok"] is True
+    ok, tied, _ = move_checkpoint(nano, family, first, second, str(tmp_path / f"{family}-{first}"))
+    assert ok is True
     if family != "llama":
-        assert nano.user_ns["_tied"] is True
+        assert tied is True
 
 
 def test_pipeline_refuses_a_forward_it_does_not_reproduce(nano):

@@ -223,22 +223,12 @@ def test_checkpoints_move_between_3d_layouts_and_the_rest(four_hf, tmp_path, fam
     identically (GPT-2's tied weights restored tied). fsdp's optimizer state (the whole model's) had
     been loaded into fsdp --tp 2 --pp 2's (its stage's) and failed: the split differs, so the model
     loads and the note says why the optimizer did not."""
-    ip = four_hf
+    from hf_cells import move_checkpoint
+
     chain = ["tp --tp 2 --pp 2 --sp", "fsdp", "fsdp --tp 2 --pp 2", "zero3"]
     for first, second in zip(chain, chain[1:]):
         path = str(tmp_path / f"{family}-{first.replace(' ', '')}")
-        ip.run_cell(f"%%distributed {first} --quiet --no-metrics\n"
-                    f"_saved = _state_after(strategy, {family!r})\nstrategy.save({path!r})").raise_error()
-        ip.run_cell(f"%%distributed {second} --quiet --no-metrics\n"
-                    f"_losses(strategy, {family!r}, steps=0, seed=1)\n_note = strategy.load({path!r})['restored']\n"
-                    "_loaded = strategy.full_state_dict()\n"
-                    "_ok = _same(_saved, _loaded) if rank == 0 else None\n"
-                    "_tied = None\n"
-                    "if rank == 0:\n"
-                    "    _pair = [k for k in _loaded if k.endswith('lm_head.weight') or k.endswith('wte.weight')]\n"
-                    "    _tied = len(_pair) == 2 and torch.equal(*(_loaded[k] for k in _pair))").raise_error()
-        ip.run_line_magic("dist_pull", "_ok _tied _note --rank 0")
-        assert ip.user_ns["_ok"] is True, (first, second)
-        assert ip.user_ns["_tied"] is (family == "gpt2"), (first, second)
+        ok, tied, note = move_checkpoint(four_hf, family, first, second, path)
+        assert ok is True and tied is (family == "gpt2"), (first, second)
         if (first, second) == ("fsdp", "fsdp --tp 2 --pp 2"):
-            assert "pipeline 1x1" in ip.user_ns["_note"] and ip.user_ns["_note"].startswith("model only")
+            assert "pipeline 1x1" in note and note.startswith("model only"), note
