@@ -53,7 +53,7 @@ def split_stages(model: nn.Module, mine: list[int], stages: int, layout: str) ->
     per = n // stages
     first, last = 0 in mine, stages - 1 in mine
     tied = tied_across_stages(model, shape, stages, per)
-    own = {s: {str(j): blocks[j] for j in range(s * per, (s + 1) * per)} for s in mine}
+    own = {s: {k: blocks[int(k)] for k in stage_block_keys(s, per)} for s in mine}
     views = [stage_view(model, shape, own[s], s == 0, s == stages - 1) for s in mine] if len(mine) > 1 else None
     setattr(shape.trunk, shape.blocks_attr, model_adapters.KeptBlocks(
         {k: b for s in sorted(mine) for k, b in own[s].items()}))
@@ -66,6 +66,11 @@ def split_stages(model: nn.Module, mine: list[int], stages: int, layout: str) ->
         return views, kept, tied
     run = model if shape.kind == "toplevel" else model_adapters.StageModule(model, shape, first, last)
     return [run], kept, tied
+
+
+def stage_block_keys(stage: int, per: int) -> list[str]:
+    """The keys (global indices) of stage ``stage``'s blocks, ``per`` blocks a stage, in order."""
+    return [str(j) for j in range(stage * per, (stage + 1) * per)]
 
 
 def stage_view(model: nn.Module, shape, blocks: dict, first: bool, last: bool) -> nn.Module:

@@ -116,10 +116,7 @@ def default_plan(model: nn.Module, sp: bool, mesh=None, stages: list | None = No
     for keys in (stages or [[k for k, _ in blocks.named_children()]]) if sp and len(blocks) else ():
         first, last = f"{prefix}.{keys[0]}", f"{prefix}.{keys[-1]}"
         split, gather = BlockInput(Replicate(), Shard(1), local=True), tp_styles.block_output_style()()
-        if first == last:  # one block: both on it
-            plan[first] = _both(split, gather)
-        else:
-            plan.update({first: split, last: gather})
+        plan.update({first: _both(split, gather)} if first == last else {first: split, last: gather})
     return plan
 
 

@@ -137,12 +137,12 @@ class MeshStrategy(Strategy):
         return model, optimizer
 
     def _stage_blocks(self, model) -> list:
-        """The block keys of each stage this rank runs (the cut model keeps them under their global
-        indices; stage s has blocks s x per .. (s + 1) x per - 1)."""
+        """The block keys of each stage this rank runs (the cut model keeps them under their global indices)."""
+        from .. import pipeline
         from ..model_adapters import block_list
 
         per = len(block_list(model)[1]) // len(self.stage_ids)
-        return [[str(j) for j in range(s * per, (s + 1) * per)] for s in sorted(self.stage_ids)]
+        return [pipeline.stage_block_keys(s, per) for s in sorted(self.stage_ids)]
 
     def _tp_replicated(self) -> int:
         """Elements of this rank's model that tensor parallelism leaves whole (embeddings, norms)."""
