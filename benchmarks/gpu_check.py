@@ -24,7 +24,8 @@ runs the gloo suite and lists what it skipped. Checks, per cluster:
 - collective timing: the clock of blocking calls (cuda_event on GPUs, wall on
   CPU) and of async ones;
 - ``%commbench all_reduce``: busbw per size, every result element checked;
-- ``--memory-timeline``: each rank's categorised tensor timeline (on GPUs the
+- ``--memory-timeline``: each rank's categorised tensor timeline, its profiler
+  toggled off a step before the cell ends (``--timeline-steps``; on GPUs the
   allocator-history snapshot pickle per rank, loaded back);
 - the hang watchdog: a collective rank 1 never joins is reported (on nccl with
   the NCCL flight recorder's view merged in), and after ``%cluster restart``
@@ -267,9 +268,13 @@ def suite(ip, checks: Checks, n: int, backend: str, cuda: bool, a) -> None:
         import nbtool
 
         out = tempfile.mkdtemp(prefix="nbtool-timeline-")
-        ip.run_cell(train_cell(f"ddp --memory-timeline {out}", a.steps, SMALL)).raise_error()
+        # one step fewer than the cell runs: the profiler's CPU and CUDA activities toggled off mid-cell
+        through = max(1, a.steps - 1)
+        ip.run_cell(train_cell(f"ddp --memory-timeline {out} --timeline-steps {through}", a.steps,
+                               SMALL)).raise_error()
         timelines = sorted(nbtool.last_run().timelines, key=lambda t: t.rank)
         ok = [t.rank for t in timelines] == list(range(n))
+        ok &= all(t.steps == (through if a.steps > through else 0) for t in timelines)
         parts = []
         for t in timelines[:1]:
             when, peak = t.peak()

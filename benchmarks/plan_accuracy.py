@@ -162,7 +162,9 @@ def main() -> None:
                     if a.load:
                         run = load(os.path.join(a.load, name))
                     else:
-                        ip.run_cell(CELL.format(line=line + (" --memory-timeline" if timeline else ""),
+                        # the whole cell recorded (--timeline-steps): the bookkeeping's cost is timed on every step
+                        extra = f" --memory-timeline --timeline-steps {a.steps}" if timeline else ""
+                        ip.run_cell(CELL.format(line=line + extra,
                                                 model=SHAPES[shape], vocab=VOCAB, seq=SEQ,
                                                 steps=a.steps)).raise_error()
                         run = nbtool.last_run()

@@ -180,7 +180,8 @@ class MemoryTimeline:
     bytes: list = field(default_factory=list)
     files: list = field(default_factory=list)
     events: int = 0  # memory events the profiler saw (before downsampling)
-    note: str = ""  # why the categories are missing, when torch's memory profiler could not work them out
+    steps: int = 0  # the optimizer steps it covers when the cell ran more (--timeline-steps); 0: the whole cell
+    note: str = ""  # what the timeline leaves out: the categories (torch could not work them out), later steps
     schema: int = SCHEMA_VERSION
 
     def totals(self) -> list:

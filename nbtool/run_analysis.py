@@ -106,10 +106,33 @@ def peak_rss(run: RunRecords, rank: int) -> int:
 
 
 def steady_steps(run: RunRecords, rank: int = 0) -> list[dict]:
-    """``step_table`` without the steps in which torch.compile compiled (--compile), unless that is all."""
+    """``step_table`` without the steps in which torch.compile compiled (--compile), unless that is all;
+    after a --memory-timeline that stopped following the cell (--timeline-steps), only the steps after
+    it where there are 2 or more (the profiler's bookkeeping had made a step x1.1-2.5 as long)."""
     compiled = {int(step) for step, _ in run.description.compile}
     table = step_table(run, rank)
-    return [s for s in table if s["step"] not in compiled] or table
+    kept = [s for s in table if s["step"] not in compiled] or table
+    later = [s for s in kept if s["step"] > _timeline_through(run)]
+    return later if len(later) >= 2 else kept
+
+
+def _timeline_through(run: RunRecords) -> float:
+    """The last optimizer step a --memory-timeline's profiler followed (0 without one; inf: all)."""
+    if run.description.spec.get("memory_timeline") is None:
+        return 0
+    return max((t.steps for t in run.timelines), default=0) or float("inf")
+
+
+def steady_span(run: RunRecords) -> str:
+    """Which steps ``steady_steps`` times, in words ("steps 2..N", or the ones after a timeline)."""
+    steps = steady_steps(run)
+    first = min((s["step"] for s in steps), default=2)
+    return f"steps {first}..N, after the memory timeline's" if first - 1 == _timeline_through(run) else "steps 2..N"
+
+
+def steps_hold_timeline(run: RunRecords) -> bool:
+    """Whether ``run``'s step figures (``steady_steps``) hold a --memory-timeline's bookkeeping."""
+    return any(s["step"] <= _timeline_through(run) for s in steady_steps(run))
 
 
 def schedule_idle(run: RunRecords, rank: int = 0) -> dict[int, float]:

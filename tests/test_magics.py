@@ -171,6 +171,8 @@ BAD_LINES = [
     ("cell", "distributed", "--ranks 1-0", "range 1-0 is backwards"),
     ("cell", "distributed", "--timeout soon", "seconds 'soon' is not valid"),
     ("cell", "distributed", "--bogus", "unrecognized arguments: --bogus"),
+    ("cell", "distributed", "ddp --timeline-steps 3", "--timeline-steps 3 needs --memory-timeline"),
+    ("cell", "distributed", "ddp --memory-timeline --timeline-steps 0", "--timeline-steps"),
     ("cell", "rank", "", "the following arguments are required: ranks"),
     ("cell", "rank", "7", "rank 7 does not exist"),
     ("line", "dist_push", "never_defined_xyz", "'never_defined_xyz' is not defined in the kernel"),

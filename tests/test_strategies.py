@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import statistics
 
 import pytest
 import torch
@@ -449,7 +450,7 @@ def test_every_step_of_a_wide_fsdp_run_peaks_the_same(ranks):
     of each rank peaks the same (the planner's typical step is every step)."""
     import nbtool
 
-    ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-wide\n"
+    ranks.run_cell("%%distributed fsdp --memory-timeline --timeline-steps 10 --quiet --name fsdp-wide\n"
                    "_m = TinyTransformer(vocab=256, dim=384, heads=6, layers=2, seq=32)\n"
                    "_model, _opt = strategy.prepare(_m, torch.optim.AdamW(_m.parameters()))\n"
                    "for _x, _y in zip(range(10), strategy.dataloader(SyntheticTokens(160, seq=32, vocab=256), batch_size=8)):\n"
@@ -469,7 +470,7 @@ def test_every_step_of_a_zero2_run_counts_its_own_flat_gradient_copy_only(ranks)
     replaced is taken as freed when it was last read: every step 2..16 of each rank peaks the same."""
     import nbtool
 
-    ranks.run_cell("%%distributed zero2 --reduce-bucket-mb 1 --memory-timeline --quiet --name zero2-flat\n"
+    ranks.run_cell("%%distributed zero2 --reduce-bucket-mb 1 --memory-timeline --timeline-steps 16 --quiet --name zero2-flat\n"
                    "_losses = _train(strategy, steps=16, batch=4)").raise_error()
     by_step = run_analysis.step_peaks(nbtool.last_run())
     psi = 4 * sum(p.numel() for p in TinyTransformer().parameters())  # one flat copy of every gradient
@@ -551,6 +552,44 @@ def test_memory_timeline_gives_its_analysis_memory_back(ranks):
         assert now - start < took / 10, (start >> 20, now >> 20, peak >> 20)
 
 
+def test_a_timeline_records_its_first_steps_and_its_analysis_needs_memory_for_those_only(ranks):
+    """--timeline-steps N (default 5): the profiler stops following ops at the end of optimizer step N
+    (toggled off, not stopped: stopping materialises the recording inside training), so the
+    timeline covers steps 1..N, its note says so, and the analysis after the cell needs memory for
+    N steps, not the cell's: the same 12-step fsdp cell's analysis took x3.1 the memory recording all
+    12 as recording 3 (1083 MB against 343-357 on each rank's peak RSS over the cell). The steps after
+    ran without the profiler (36 ms against 85 here), so the step time is judged on them."""
+    import nbtool
+
+    view = nbtool.current_cluster().view([0, 1])
+    took = {}
+    for steps in (12, 3):
+        ranks.run_cell(f"%%distributed fsdp --quiet --name fsdp-{steps}-plain\n"
+                       "_losses = _train(strategy, steps=12, batch=2)").raise_error()
+        view.execute("open('/proc/self/clear_refs', 'w').write('5')" + RSS_NOW_AND_PEAK, block=True)
+        before = view.pull("_rss", block=True)
+        ranks.run_cell(f"%%distributed fsdp --memory-timeline --timeline-steps {steps} --quiet --name fsdp-{steps}\n"
+                       "_losses = _train(strategy, steps=12, batch=2)").raise_error()
+        view.execute(RSS_NOW_AND_PEAK, block=True)
+        took[steps] = [peak - start for (start, _), (_, peak) in zip(before, view.pull("_rss", block=True))]
+    run = nbtool.last_run()
+    for t in run.timelines:
+        ends = sorted(m.t for m in run.steps if m.rank == t.rank)
+        assert len(ends) == 12 and ends[1] < t.t0 + t.times[-1] < ends[3], (t.times[-1], ends)
+        assert "up to the end of optimizer step 3 of the 12 the cell ran" in t.note, t.note
+    assert all(sorted(peaks) == [2, 3] for peaks in run_analysis.step_peaks(run).values())
+    for whole, first in zip(took[12], took[3]):
+        assert whole > 2 * first, (took, "MB")
+    # the steps after it ran without the profiler: they are the ones timed, and judged
+    from nbtool.plan.versus import typical_step
+
+    recorded = statistics.median(s["seconds"] for s in run_analysis.step_table(run) if s["step"] <= 3)
+    assert [s["step"] for s in run_analysis.steady_steps(run)] == list(range(4, 13))
+    assert typical_step(run) < recorded, (typical_step(run), recorded)
+    step = nbtool.predicted_vs_measured().row("step time")
+    assert step.tolerance is not None and "steps 4..N, after the memory timeline's" in step.source, step
+
+
 def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
     """gloo lets go of a collective's buffers (FSDP2's reduce-scatter input, cloned inside the op;
     its flat all-gather output, allocated by FSDP2) on its worker thread, where torch's profiler
@@ -562,7 +601,8 @@ def test_memory_timeline_sees_what_gloo_frees_on_its_workers(ranks):
     have their address handed out again: a different figure each run."""
     import nbtool
 
-    ranks.run_cell("%%distributed fsdp --memory-timeline --quiet --name fsdp-flat\n"
+    # more steps than it runs: every op followed, to the cell's end
+    ranks.run_cell("%%distributed fsdp --memory-timeline --timeline-steps 17 --quiet --name fsdp-flat\n"
                    "_losses = _train(strategy, steps=16, batch=2)").raise_error()
     run = nbtool.last_run()
     assert len(run.timelines) == 2

@@ -33,8 +33,9 @@ SAMPLES = {
     "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"), "virtual_stages": ("pp", "2", 2),
     "ds_config": ("zero2", "{path}", {"zero_optimization": {"stage": 2}}),
     "checkpoint_every": ("ddp", "5", 5), "checkpoint_dir": ("ddp", "ckpts --checkpoint-every 5", "ckpts"),
-    "memory_timeline": ("fsdp", "timelines", "timelines"), "compress": ("ddp", "fp16", "fp16"), "compile": ("ddp", None, True),
+    "memory_timeline": ("fsdp", "timelines", "timelines"), "timeline_steps": ("fsdp", "3 --memory-timeline", 3), "compress": ("ddp", "fp16", "fp16"), "compile": ("ddp", None, True),
 }
+NEEDS = {"checkpoint_dir": "checkpoint_every", "timeline_steps": "memory_timeline"}  # the other option a sample sets
 
 
 def test_every_option_field_is_accepted_by_the_magic_and_lands_in_the_spec(tmp_path):
@@ -46,7 +47,7 @@ def test_every_option_field_is_accepted_by_the_magic_and_lands_in_the_spec(tmp_p
         line = f"{strategy} {flag_of(f)}" + (f" {text.format(path=cfg)}" if text is not None else "")
         spec = parse_strategy_line(line, "gloo", "cpu")
         assert getattr(spec, f.name) == expected, line
-        others = {g.name for g in OPTION_FIELDS} - {f.name, "checkpoint_every"}
+        others = {g.name for g in OPTION_FIELDS} - {f.name, NEEDS.get(f.name)}
         default = StrategySpec(strategy)
         assert all(getattr(spec, o) == getattr(default, o) for o in others), line  # nothing else moved
 

@@ -437,8 +437,9 @@ def ddp_buckets_link(run, hw: Hardware) -> tuple | None:
 
 
 def with_timeline(run) -> bool:
-    """Whether ``run`` recorded a --memory-timeline (its times hold the timeline's bookkeeping)."""
-    return run.description.spec.get("memory_timeline") is not None  # "" or a directory: on
+    """Whether ``run``'s step times hold a --memory-timeline's bookkeeping (not where the timeline
+    stopped following the cell and 2 or more steps ran after it: those are timed)."""
+    return run_analysis.steps_hold_timeline(run)
 
 
 def ran_on_cpu(run) -> bool:
@@ -653,10 +654,12 @@ def versus(run, hw: Hardware, hardware_source: str, calibrated_on: str | None = 
     # --memory-timeline's bookkeeping is in this run's times (x1.10-x1.51 the step at the median by
     # strategy, x1.01-x2.03 single runs: benchmarks/plan_accuracy.py's pairs); the planner's step has none
     timeline = with_timeline(run)
-    rows.append(Row("step time", step_s, e.step_s, "s", f"wall time on rank 0, median of steps 2..N{stalls}",
+    rows.append(Row("step time", step_s, e.step_s, "s",
+                    f"wall time on rank 0, median of {run_analysis.steady_span(run)}{stalls}",
                     None if timeline else TOLERANCE["step time"],
                     "not judged: --memory-timeline's bookkeeping is in it (x1.1-x1.5 the step by strategy here); "
-                    "judge times on a run without it" if timeline else ""))
+                    "judge times on a run without it, or with 2 or more steps past --timeline-steps"
+                    if timeline else ""))
     compute, what = _measured_compute(run)
     rows.append(Row("  compute", compute, e.compute_s, "s", f"step time minus {what}, median"))
     if training.precision == "bf16" and (emulated := hw.emulated_bf16()):

@@ -21,7 +21,8 @@ That analysis needs host memory while it runs, in proportion to what was
 recorded: torch materialises every op, allocation and Python call of the
 cell (here 25 MB a step for the tutorial model on one process, 0.5 GB a step
 a rank under fsdp --tp 2 --pp 2, whose DTensor dispatch runs many more).
-Where the host may not hold every rank's at once, its ranks take turns
+So it records the cell's first ``--timeline-steps`` optimizer steps and then
+stops following ops and Python calls (``TimelineRecorder.on_step``). Where the host may not hold every rank's at once, its ranks take turns
 (nbtool.rank.host_turns: 8 ranks of that run had the OOM killer take one on
 a 24 GB host), and each gives the memory back to the system when done
 (glibc's ``malloc_trim``; without it an engine kept 0.8-3 GB after the cell).
@@ -49,13 +50,17 @@ ANALYSIS_OVER_RECORDING = 25
 
 
 class TimelineRecorder:
-    def __init__(self, rank: int, device: torch.device, export_dir: str | None = None, ranks_on_host: int = 1):
+    def __init__(self, rank: int, device: torch.device, export_dir: str | None = None, ranks_on_host: int = 1,
+                 steps: int | None = None):
         global _cells
         _cells += 1
         self.rank, self.device, self.export_dir, self.ranks_on_host = rank, device, export_dir, ranks_on_host
         self.phase = f"{os.environ.get('MASTER_ADDR', '')}-{os.environ.get('MASTER_PORT', '')}-{_cells}"
         self._prof = None
         self.t0 = 0.0
+        self.steps = steps  # record up to the end of this optimizer step (None: the whole cell)
+        self.steps_run = 0
+        self.cut_us = None  # the wall clock (us, the profiler's) when it stopped following ops
 
     def start(self) -> None:
         from torch.profiler import ProfilerActivity, profile
@@ -65,8 +70,32 @@ class TimelineRecorder:
             torch.cuda.memory._record_memory_history(max_entries=HISTORY_ENTRIES)
         # the memory profile needs shapes and the Python tracer to tell parameters and optimizer state apart
         self._prof = profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True)
+        self._activities = activities
         self.t0, self._rss0 = time.time(), rss()[0]
         self._prof.start()
+
+    def on_step(self, step: int) -> None:
+        """An optimizer step ended: at the last one to record, stop following ops.
+
+        Not ``prof.stop()``: that materialises what was recorded, inside training (54 s a rank under
+        fsdp --tp 2 --pp 2 on 8 ranks, past the others' collective timeout). Toggling the activities
+        off stops torch's ops but not its Python tracer (torch 2.13: FSDP2's Python calls were 95% of
+        the events of later steps), so this thread's profile function goes too. The profiler still
+        logs each allocation, but later steps run at nearly full speed, and without ops their new
+        tensors have no category: where more steps follow, the timeline ends here (``cut``)."""
+        import sys
+
+        self.steps_run = step
+        if step == self.steps and self._prof is not None:
+            self._prof.toggle_collection_dynamic(False, self._activities)
+            sys.setprofile(None)  # the tracer's own stop() later clears what is left
+            self.cut_us = time.time() * 1e6
+
+    @property
+    def cut(self) -> bool:
+        """Whether the cell ran steps past the recorded ones (a cell that ended with step N is kept
+        whole: what it did after step N is only the end of the cell, its new tensors "unknown")."""
+        return self.cut_us is not None and self.steps_run > self.steps
 
     def stop(self) -> MemoryTimeline:
         """Stop recording and work out the timeline, in this rank's turn among its host's (host_turns)."""
@@ -110,6 +139,12 @@ class TimelineRecorder:
                     "held, at each allocation and free")
             times, rows = _allocator_totals(prof, self.device)
             names = ["uncategorised"]
+        if self.cut:  # what came after step N is left out: its new tensors have no category
+            kept = sum(1 for t in times if t <= self.cut_us)
+            times, rows = times[:kept], rows[:kept]
+            said = (f"recorded up to the end of optimizer step {self.steps} of the {self.steps_run} the cell ran "
+                    "(--timeline-steps N records more; the later steps ran without the profiler's bookkeeping)")
+            note = f"{note}; {said}" if note else said
         if self.export_dir:  # torch's memory-timeline JSON: [times in us, [[0, bytes by category...]]]
             files.insert(0, self._path("memory_timeline.json"))
             with open(files[0], "w") as f:
@@ -118,7 +153,8 @@ class TimelineRecorder:
         # the profiler's clock is the wall clock (us); its first event comes up to a second after start()
         t0 = times[0] / 1e6 if times and times[0] > 0 else self.t0
         return MemoryTimeline(rank=self.rank, device=device, t0=t0, times=times_s, categories=names,
-                              bytes=columns, files=files, events=len(times), note=note)
+                              bytes=columns, files=files, events=len(times), note=note,
+                              steps=self.steps if self.cut else 0)
 
     def _path(self, suffix: str) -> str:
         os.makedirs(self.export_dir, exist_ok=True)

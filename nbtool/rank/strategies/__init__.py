@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 
 from ...metrics import MemorySample, MemoryTimeline, RunDescription, format_bytes
-from ...spec import NAMES, StrategySpec
+from ...spec import NAMES, TIMELINE_STEPS_DEFAULT, StrategySpec
 
 _last = None  # the strategy of the most recent strategy cell on this rank
 _put_back: list = []  # process-wide state the previous strategy had changed and release() restored
@@ -62,7 +62,8 @@ def install(spec: StrategySpec, metrics: bool = True, publish: bool = True) -> N
         from ..memory_timeline import TimelineRecorder
 
         _last.timeline = TimelineRecorder(_last.rank, _last.device, spec.memory_timeline or None,
-                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+                                          int(os.environ.get("LOCAL_WORLD_SIZE", "1")),
+                                          spec.timeline_steps or TIMELINE_STEPS_DEFAULT)
         _last.timeline.start()
     get_ipython().user_ns["strategy"] = _last
 

@@ -326,6 +326,8 @@ class Strategy:
         self._ledger_at_step = after
         if self.recorder is not None:
             self.recorder.on_step(self._steps, after)
+        if self.timeline is not None:
+            self.timeline.on_step(self._steps)
         every = self.spec.checkpoint_every
         if every and self._steps % every == 0:
             self.save(self.spec.checkpoint_dir or "checkpoints")
