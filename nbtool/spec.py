@@ -177,6 +177,12 @@ class StrategySpec:
         True, group="fsdp options", applies=("fsdp",), kind="off",
         help="keep gathered parameters until backward (ZeRO-2-like); by default they are freed after "
              "forward (ZeRO-3-like)")
+    # with --grad-accum: False keeps each unit's gradients unsharded in fp32 until the window's last
+    # micro-batch (set_requires_gradient_sync(False), torch's gradient accumulation "without communication")
+    reduce_every_micro_batch: bool = option(
+        False, group="fsdp options", applies=("fsdp",), kind="switch",
+        help="--grad-accum: reduce-scatter every micro-batch's gradients and add up the shards (no unsharded "
+             "fp32 gradients held between micro-batches: less memory, N times the reduce-scatters)")
     wrap: tuple[str, ...] = option((), group="fsdp options", applies=("fsdp",), type="class_list",
                                    metavar="CLASS[,CLASS]",
                                    help="shard modules of these classes as their own units (root wrapped last); "
@@ -408,6 +414,9 @@ def validate(spec: StrategySpec, backend: str | None = None, device_kind: str = 
         raise SpecError(f"--grad-clip {spec.grad_clip}: must be > 0 (omit it for no clipping)")
     if spec.grad_accum < 1:
         raise SpecError(f"--grad-accum {spec.grad_accum}: must be >= 1")
+    if spec.reduce_every_micro_batch and spec.grad_accum < 2:
+        raise SpecError("--reduce-every-micro-batch changes how --grad-accum's micro-batches add up their "
+                        "gradients; it needs --grad-accum N >= 2")
     if spec.timeline_steps is not None and spec.memory_timeline is None:
         raise SpecError(f"--timeline-steps {spec.timeline_steps} needs --memory-timeline (it bounds what that records)")
     if spec.checkpoint_dir is not None and spec.checkpoint_every is None:

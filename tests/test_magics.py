@@ -172,6 +172,8 @@ BAD_LINES = [
     ("cell", "distributed", "--timeout soon", "seconds 'soon' is not valid"),
     ("cell", "distributed", "--bogus", "unrecognized arguments: --bogus"),
     ("cell", "distributed", "ddp --timeline-steps 3", "--timeline-steps 3 needs --memory-timeline"),
+    ("cell", "distributed", "fsdp --reduce-every-micro-batch", "it needs --grad-accum N >= 2"),
+    ("cell", "distributed", "ddp --grad-accum 2 --reduce-every-micro-batch", "does not apply to ddp"),
     ("cell", "distributed", "ddp --memory-timeline --timeline-steps 0", "--timeline-steps"),
     ("cell", "rank", "", "the following arguments are required: ranks"),
     ("cell", "rank", "7", "rank 7 does not exist"),

@@ -122,7 +122,7 @@ def test_hybrid_sharding_shards_within_pairs_and_all_reduces_across_them(four):
 
 
 @pytest.mark.parametrize("line", ["fsdp --tp 2 --precision bf16", "fsdp --pp 2", "pp --pp 2 --dp 2",
-                                  "tp --tp 2 --pp 2"])
+                                  "tp --tp 2 --pp 2", "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch"])
 def test_data_parallelism_around_tp_and_pp_is_predicted_per_rank(four, line):
     """FSDP over dp around tp or pp (fsdp --tp/--pp) shards each rank's states over dp, and gathers and
     reduce-scatters its stage's units over it (under pp the stage's units stay gathered, and their
@@ -131,15 +131,17 @@ def test_data_parallelism_around_tp_and_pp_is_predicted_per_rank(four, line):
     fsdp's states whole over dp (+100%) and its collectives as the replicas' all-reduce (-14% / -61%),
     and the peaks were +53% (bf16 under tp) and +34% (bf16 under pp). Under tp x pp each pipeline rank's
     stages leave their own parts whole (embeddings on the first, the final norm and head on the last):
-    the planner takes each one's (they had been split over tp: fsdp --tp 2 --pp 2 on 8 ranks -9.5%)."""
+    the planner takes each one's (they had been split over tp: fsdp --tp 2 --pp 2 on 8 ranks -9.5%).
+    With --grad-accum 2 --reduce-every-micro-batch each micro-batch reduce-scatters its gradients."""
+    accum = 2 if "--grad-accum 2" in line else 1  # 3 optimizer steps of micro-batches of 8 // accum
     four.run_cell(f"%%distributed {line} --memory-timeline --quiet\n"
                   "torch.manual_seed(0)\n"
                   "model = TinyTransformer(layers=4)\n"
                   "opt = torch.optim.AdamW(model.parameters())\n"
                   "model, opt = strategy.prepare(model, opt, loss_fn=lm_loss)\n"
-                  "for s, (x, y) in enumerate(strategy.dataloader(_pdata, batch_size=8, shuffle=False)):\n"
+                  f"for s, (x, y) in enumerate(strategy.dataloader(_pdata, batch_size={8 // accum}, shuffle=False)):\n"
                   "    strategy.forward_backward(x, y); opt.step(); opt.zero_grad()\n"
-                  "    if s == 2:\n"
+                  f"    if s == {3 * accum - 1}:\n"
                   "        break").raise_error()
     v = nbtool.predicted_vs_measured()
     states = [r for r in v.rows if "model states" in r.figure]
@@ -150,7 +152,7 @@ def test_data_parallelism_around_tp_and_pp_is_predicted_per_rank(four, line):
     ops = Counter(c.op for c in nbtool.last_run().comms if c.rank == 0 and c.step == 2)
     assert (ops["reduce_scatter"], ops["all_gather"]) == {  # units a rank: blocks + root; gathers a unit
         "fsdp --tp 2 --precision bf16": (5, 10), "fsdp --pp 2": (3, 3 * 5), "pp --pp 2 --dp 2": (0, 0),
-        "tp --tp 2 --pp 2": (0, 0)}[line]
+        "tp --tp 2 --pp 2": (0, 0), "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch": (10, 20)}[line]
 
 
 @pytest.mark.parametrize("line,times,gathers", [("fsdp --pp 2", "5 times", 3), ("fsdp --tp 2", "twice", 5)])

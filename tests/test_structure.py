@@ -33,9 +33,11 @@ SAMPLES = {
     "sp": ("tp", None, True), "microbatches": ("pp", "4", 4), "schedule": ("pp", "gpipe", "gpipe"), "virtual_stages": ("pp", "2", 2),
     "ds_config": ("zero2", "{path}", {"zero_optimization": {"stage": 2}}),
     "checkpoint_every": ("ddp", "5", 5), "checkpoint_dir": ("ddp", "ckpts --checkpoint-every 5", "ckpts"),
+    "reduce_every_micro_batch": ("fsdp", "--grad-accum 2", True),
     "memory_timeline": ("fsdp", "timelines", "timelines"), "timeline_steps": ("fsdp", "3 --memory-timeline", 3), "compress": ("ddp", "fp16", "fp16"), "compile": ("ddp", None, True),
 }
-NEEDS = {"checkpoint_dir": "checkpoint_every", "timeline_steps": "memory_timeline"}  # the other option a sample sets
+NEEDS = {"checkpoint_dir": "checkpoint_every", "timeline_steps": "memory_timeline",
+         "reduce_every_micro_batch": "grad_accum"}  # the other option a sample sets
 
 
 def test_every_option_field_is_accepted_by_the_magic_and_lands_in_the_spec(tmp_path):

@@ -90,7 +90,7 @@ def suggest(run, result: Versus) -> list[Suggestion]:
         e2 = (run_estimate(run, hw, mesh_reshard=False) if dims is not None
               else estimate("fsdp-grad-op", shape, training, hw))
         before = summary["bus_bytes_per_step"]
-        after = before * e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else before
+        after = before * _bytes_ratio(e, e2)
         extra = e2.device_total - e.device_total
         gathers = fsdp_gathers(True, training.grad_accum, pp > 1)
         times = "twice" if gathers == 2 else f"{gathers} times"
@@ -101,6 +101,17 @@ def suggest(run, result: Versus) -> list[Suggestion]:
             f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (no re-gather for backward), "
             f"memory {_signed_bytes(extra)} (units stay gathered from forward to backward), "
             f"{_step_effect(e, e2, step)}", run.name)))
+    if spec.reduce_every_micro_batch:  # back to one reduce-scatter a window: faster, if memory allows
+        e2 = run_estimate(run, hw, reduce_every_micro_batch=False)
+        before = summary["bus_bytes_per_step"]
+        after = before * _bytes_ratio(e, e2)
+        out.append((e.step_s - e2.step_s, Suggestion(
+            line_of(replace(spec, reduce_every_micro_batch=False)),
+            f"each of the {training.grad_accum} micro-batches reduce-scatters every unit's gradients "
+            f"({format_bytes(before)} bus bytes measured)", "bus bytes / step", before, after,
+            f"bus bytes/step {format_bytes(before)} -> {format_bytes(after)} (one reduce-scatter a unit per step), "
+            f"memory {_signed_bytes(e2.device_total - e.device_total)} (every unit's gradients held unsharded "
+            f"in fp32 until the last micro-batch), {_step_effect(e, e2, step)}", run.name)))
     cuda = not ran_on_cpu(run)
     exposed = summary["exposed_s_per_step"] or 0.0
     # on CPU ranks DeepSpeed's reduction runs on the training thread whatever the flag (measured: the
@@ -122,8 +133,8 @@ def suggest(run, result: Versus) -> list[Suggestion]:
         out.append((e.step_s - e2.step_s, Suggestion(
             line_of(replace(spec, precision="bf16")), "fp32 parameters are gathered in 4 bytes each",
             "bus bytes / step", summary["bus_bytes_per_step"],
-            summary["bus_bytes_per_step"] * e2.comm_bus_bytes / max(e.comm_bus_bytes, 1),
-            f"bus bytes/step x{e2.comm_bus_bytes / max(e.comm_bus_bytes, 1):.2f}, "
+            summary["bus_bytes_per_step"] * _bytes_ratio(e, e2),
+            f"bus bytes/step x{_bytes_ratio(e, e2):.2f}, "
             f"{_step_effect(e, e2, step)}", run.name)))
     emulated = hw.emulated_bf16()
     if spec.precision == "bf16" and not cuda and emulated:
@@ -197,17 +208,43 @@ def _step_effect(e: Estimate, e2: Estimate, step: float | None) -> str:
     return f"step time {_step_change(e, e2.step_s, step) * 1e3:+.1f} ms ({e2.step_s / e.step_s - 1:+.0%})"
 
 
+def _bytes_ratio(e: Estimate, e2: Estimate) -> float:
+    """The planner's bus bytes a step after a change over before (1 where it predicts none): applied to
+    the measured bytes, the suggestion's figure."""
+    return e2.comm_bus_bytes / e.comm_bus_bytes if e.comm_bus_bytes else 1.0
+
+
 def _signed_bytes(n: float) -> str:
     """+1.5 MiB / -26.2 KiB: a predicted change of memory, one sign."""
     return f"{'+' if n >= 0 else '-'}{format_bytes(abs(n))}"
 
 
 def _memory(run, spec, shape, training, e, hw, step: float | None) -> list[Suggestion]:
-    """DeepSpeed allocates its reduce bucket whole (reduce_bucket_size elements, 5e8 by default: 1.86 GiB
+    """Made where the run's peak was measured (a GPU's allocator, --memory-timeline) and the change
+    saves MEMORY_SHARE of the predicted peak or more.
+
+    DeepSpeed allocates its reduce bucket whole (reduce_bucket_size elements, 5e8 by default: 1.86 GiB
     in fp32) whatever the model's size; one bucket that just holds every gradient reduces as often (once)
-    and frees the rest. Made where the run's peak was measured (a GPU's allocator, --memory-timeline)."""
+    and frees the rest. FSDP with gradient accumulation holds every unit's gradients unsharded in fp32
+    between micro-batches; reduce-scattering each micro-batch's frees them for more bytes a step (the
+    line says what that costs in time)."""
     before = measure(run, "peak tensor memory")
-    if not spec.is_zero or not before:
+    if not before:
+        return []
+    if spec.name == "fsdp" and training.grad_accum > 1 and not spec.reduce_every_micro_batch:
+        e2 = run_estimate(run, hw, reduce_every_micro_batch=True)
+        saved = e.device_total - e2.device_total
+        if saved < MEMORY_SHARE * e.device_total:
+            return []
+        return [Suggestion(
+            line_of(replace(spec, reduce_every_micro_batch=True)),
+            f"every unit's gradients are held unsharded in fp32 from the first of the {training.grad_accum} "
+            f"micro-batches to the last: {saved / e.device_total:.0%} of the predicted peak beyond their shards",
+            "peak tensor memory", before, before - saved,
+            f"peak tensor memory {format_bytes(before)} -> {format_bytes(before - saved)} (-{format_bytes(saved)}), "
+            f"bus bytes/step x{_bytes_ratio(e, e2):.2f} (a reduce-scatter a unit each "
+            f"micro-batch), {_step_effect(e, e2, step)}", run.name, step_change=_step_change(e, e2.step_s, step))]
+    if not spec.is_zero:
         return []
     per_element = bucket_element_bytes(training.precision)
     now = int(zero_config(run).get("reduce_bucket_size", REDUCE_BUCKET))

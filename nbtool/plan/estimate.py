@@ -484,7 +484,7 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
              schedule: str = "1f1b", virtual: int = 1, sp: bool = True, overlap_comm: bool = False,
              tied: tuple = (), prefetch_bucket: int | None = None, ddp_bucket: float | None = None,
              tp_split_parts: int | None = None, fsdp_dp: bool | None = None,
-             mesh_reshard: bool = True) -> Estimate:
+             mesh_reshard: bool = True, reduce_every_micro_batch: bool = False) -> Estimate:
     """``persistence_threshold``: ZeRO-3's stage3_param_persistence_threshold; ``reduce_bucket``: ZeRO's
     reduce_bucket_size in elements; ``reuse_limit``: the smaller of ZeRO-3's stage3_max_reuse_distance and
     stage3_max_live_parameters (DeepSpeed's defaults); ``prefetch_bucket``: ZeRO-3's
@@ -506,7 +506,9 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     and MLP. ``fsdp_dp``: a tp/pp layout's data parallelism is FSDP (fsdp --tp/--pp: the states sharded
     over dp, each stage's units gathered and reduce-scattered over it; ``mesh_reshard``: its
     --reshard-after-forward), not plain replicas; None: as the layout's line runs (FSDP over a dp
-    above 1 in mixed precision, its MixedPrecisionPolicy)."""
+    above 1 in mixed precision, its MixedPrecisionPolicy). ``reduce_every_micro_batch``: FSDP with gradient
+    accumulation reduce-scatters each micro-batch's gradients and adds up the shards (--reduce-every-micro-batch),
+    instead of holding them unsharded in fp32 until the last micro-batch."""
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
@@ -632,11 +634,12 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
                                "the memory above is the largest's")
         exposed = e.comm_s
         if e.dp_sharded:
-            dp_s = _fsdp_over_dp(e, hw, m, t, shard, frac, mesh_reshard, cpu)
+            dp_s = _fsdp_over_dp(e, hw, m, t, shard, frac, mesh_reshard, cpu, reduce_every_micro_batch)
         else:
             dp_s = e.add_comm(hw, "all_reduce", n * tp * pp, 1, bus_dp) if n > 1 else 0.0
         e.exposed_comm_s = exposed + (dp_s if cpu else max(0.0, dp_s - 2 / 3 * e.compute_s))
-        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False, accumulated=not e.dp_sharded)
+        _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, tp), buffers_at_step=False,
+                    accumulated=not e.dp_sharded or reduce_every_micro_batch)
         return e
 
     g = 4 if not layout.is_zero or not mixed else 2  # reduction dtype bytes
@@ -678,15 +681,17 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         # under HSDP the gradient shards are then all-reduced across the replicas; modules kept whole
         # all-reduce their gradients over every device
         gathers = fsdp_gathers(layout.reshard, t.grad_accum)
-        e.add_comm(hw, "reduce_scatter", shard, units, within * sharded * g)
+        reduces = t.grad_accum if reduce_every_micro_batch else 1  # each micro-batch's, or the window's once
+        e.add_comm(hw, "reduce_scatter", shard, units * reduces, within * sharded * g * reduces)
         e.add_comm(hw, "all_gather", shard, units * gathers, within * sharded * w * gathers)
         if replicas > 1:
-            e.add_comm(hw, "all_reduce", n, units, 2 * (replicas - 1) / replicas * g * sharded / shard)
+            e.add_comm(hw, "all_reduce", n, units * reduces,
+                       2 * (replicas - 1) / replicas * g * sharded / shard * reduces)
         if whole:
-            e.add_comm(hw, "all_reduce", n, 1, 2 * frac * g * whole)
+            e.add_comm(hw, "all_reduce", n, reduces, 2 * frac * g * whole * reduces)
         # accumulating, every unit's gradients unsharded in fp32 (FSDP2 upcasts bf16 ones to the reduce
         # dtype), from the first micro-batch's backward to the last's reduce-scatters; no sharded ones yet
-        accumulating = 4 * sharded if t.grad_accum > 1 else 0.0
+        accumulating = 4 * sharded if t.grad_accum > 1 and not reduce_every_micro_batch else 0.0
         # the blocks' backward (every block's activations alive): FSDP2 holds the unit being computed and
         # the one prefetched; gloo (CPU ranks) gathers into a flat copy of the output, alive as the
         # prefetch runs
@@ -804,7 +809,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
         e.states = _owned(e.device)
     else:  # DDP's buckets stay; FSDP's gathered units and copies are gone by the optimizer step
         _peak_phase(e, t, _adam_temporary(e, m, adam, cpu, shard if layout.is_fsdp else 1),
-                    buffers_at_step=layout == DDP, moments=moments, accumulated=not layout.is_fsdp)
+                    buffers_at_step=layout == DDP, moments=moments,
+                    accumulated=not layout.is_fsdp or reduce_every_micro_batch)
     if layout.is_zero:
         # what the ranks own over a step is the ledger theory's (the recorder's ledger to the byte, bf16
         # and offload included: tests/test_strategies.py), also where the peak's figures are DeepSpeed's
@@ -828,12 +834,13 @@ def fsdp_gathers(reshard: bool, micro_batches: int, pipeline: bool = False) -> i
 
 
 def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, elements: float, frac: float,
-                  reshard: bool, cpu: bool) -> float:
+                  reshard: bool, cpu: bool, every_micro_batch: bool = False) -> float:
     """fsdp --tp/--pp's data parallelism on a rank holding ``elements`` (its stages' tp shards): a unit
     per block and the stage's root, each gathered in the compute dtype and its gradients
     reduce-scattered in fp32 over dp (MixedPrecisionPolicy's reduce_dtype), once a step (the earlier
-    micro-batches' accumulate unsharded); returns their seconds. Counts the gathered weights and the
-    accumulating gradients they hold at the peak as buffers."""
+    micro-batches' accumulate unsharded) or, ``every_micro_batch`` (not in a pipeline), once a
+    micro-batch; returns their seconds. Counts the gathered weights and the accumulating gradients
+    they hold at the peak as buffers."""
     w = 2 if t.precision in ("bf16", "fp16") else 4
     units = (m.layers / e.pp + 1) if m.layers else 1
     gathers = fsdp_gathers(reshard, t.grad_accum, e.pp > 1)
@@ -847,10 +854,12 @@ def _fsdp_over_dp(e: Estimate, hw: Hardware, m: ModelShape, t: Training, element
         # every unit between forward and backward without resharding; accumulating, every unit's
         # gradients unsharded in fp32 (as fsdp's)
         gathered = (3 if cpu and frac else 2) * w * unit if reshard else w * elements
-        e.device["buffers"] = e.device.get("buffers", 0) + gathered + (4 * elements if t.grad_accum > 1 else 0.0)
+        accumulating = 4 * elements if t.grad_accum > 1 and not every_micro_batch else 0.0
+        e.device["buffers"] = e.device.get("buffers", 0) + gathered + accumulating
+    reduces = t.grad_accum if every_micro_batch and e.pp == 1 else 1
     if not frac:
         return 0.0
-    return (e.add_comm(hw, "reduce_scatter", e.dp, units, frac * 4 * elements)
+    return (e.add_comm(hw, "reduce_scatter", e.dp, units * reduces, frac * 4 * elements * reduces)
             + e.add_comm(hw, "all_gather", e.dp, units * gathers, frac * w * elements * gathers))
 
 

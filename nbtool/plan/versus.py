@@ -229,7 +229,8 @@ def compress_factor(run) -> float:
 
 
 def layout_options(run) -> dict:
-    """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate), DDP's buckets
+    """The estimate's keywords for the run's fsdp sharding (--dp-shard, --replicate, when it reduces
+    accumulated gradients: --reduce-every-micro-batch), DDP's buckets
     (--bucket-mb), pipeline schedule (--schedule, --virtual-stages), sequence parallelism (--sp) and
     weights tied across stages."""
     from ..spec import hsdp_dims
@@ -250,6 +251,8 @@ def layout_options(run) -> dict:
         out["tp_split_parts"] = sum(parts for _, parts in details["tp_by_pp_rank"])
     elif run.strategy == "ddp" and spec.bucket_mb is not None:
         out["ddp_bucket"] = spec.bucket_mb * 2**20
+    if run.strategy == "fsdp":
+        out["reduce_every_micro_batch"] = bool(spec.reduce_every_micro_batch)
     if run.description.dims is not None:
         out.update(sp=bool(spec.sp), tied=tuple(details.get("pp_tied_elements", ())),
                    fsdp_dp=run.strategy == "fsdp", mesh_reshard=bool(spec.reshard_after_forward))

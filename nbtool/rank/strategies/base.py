@@ -389,7 +389,8 @@ class Strategy:
         if d.get("offload"):
             parts.append(f"offload {d['offload']}")
         if self.spec.grad_accum > 1:
-            parts.append(f"grad-accum {self.spec.grad_accum}")
+            parts.append(f"grad-accum {self.spec.grad_accum}" + (
+                ", each micro-batch's gradients reduce-scattered" if self.spec.reduce_every_micro_batch else ""))
         if self._checkpointed:
             parts.append(f"activation checkpointing on {d['activation_checkpointing']}")
         if self.compiled:
