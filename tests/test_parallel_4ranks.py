@@ -122,7 +122,8 @@ def test_hybrid_sharding_shards_within_pairs_and_all_reduces_across_them(four):
 
 
 @pytest.mark.parametrize("line", ["fsdp --tp 2 --precision bf16", "fsdp --pp 2", "pp --pp 2 --dp 2",
-                                  "tp --tp 2 --pp 2", "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch"])
+                                  "tp --tp 2 --pp 2", "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch",
+                                  "fsdp --dp-shard 2 --grad-accum 2 --reduce-every-micro-batch"])
 def test_data_parallelism_around_tp_and_pp_is_predicted_per_rank(four, line):
     """FSDP over dp around tp or pp (fsdp --tp/--pp) shards each rank's states over dp, and gathers and
     reduce-scatters its stage's units over it (under pp the stage's units stay gathered, and their
@@ -149,10 +150,11 @@ def test_data_parallelism_around_tp_and_pp_is_predicted_per_rank(four, line):
     assert all(r.tolerance == 0 and r.within for r in states), v.text()
     assert v.row("bus bytes / step").tolerance is not None and v.row("bus bytes / step").within, v.text()
     assert v.row("peak tensor memory").within, v.text()
-    ops = Counter(c.op for c in nbtool.last_run().comms if c.rank == 0 and c.step == 2)
+    ops = Counter(c.op for c in nbtool.last_run().comms if c.rank == 0 and c.step == 1)  # the second step's
     assert (ops["reduce_scatter"], ops["all_gather"]) == {  # units a rank: blocks + root; gathers a unit
         "fsdp --tp 2 --precision bf16": (5, 10), "fsdp --pp 2": (3, 3 * 5), "pp --pp 2 --dp 2": (0, 0),
-        "tp --tp 2 --pp 2": (0, 0), "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch": (10, 20)}[line]
+        "tp --tp 2 --pp 2": (0, 0), "fsdp --tp 2 --grad-accum 2 --reduce-every-micro-batch": (10, 20),
+        "fsdp --dp-shard 2 --grad-accum 2 --reduce-every-micro-batch": (10, 20)}[line]
 
 
 @pytest.mark.parametrize("line,times,gathers", [("fsdp --pp 2", "5 times", 3), ("fsdp --tp 2", "twice", 5)])
