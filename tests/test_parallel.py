@@ -397,6 +397,8 @@ def test_planner_tp_pp_lines_parse_back_to_the_same_layout():
         assert spec == e.spec(t), line
         if e.pp > 1:
             assert spec.microbatches == t.grad_accum and "--grad-accum" not in line
+        assert spec.reduce_every_micro_batch == e.reduce_every_micro_batch, line
+    assert any(e.reduce_every_micro_batch for e in mesh)  # FSDP's unsharded fp32 gradients do not fit here
 
 
 def test_spec_refuses_layout_without_world_size_is_still_checked():

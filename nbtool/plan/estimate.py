@@ -220,6 +220,8 @@ class Estimate:
     dp_sharded: bool = False
     peak_phase: str = ""  # "backward start", "optimizer step", "head's backward", "blocks' backward",
     # "first reduce-scatter" (FSDP) or "last reduce-scatter" (ZeRO-3): where ``device`` is taken
+    # FSDP with gradient accumulation reduce-scatters each micro-batch's gradients (--reduce-every-micro-batch)
+    reduce_every_micro_batch: bool = False
 
     def add_comm(self, hw: Hardware, op: str, group: int, count: float, bus_bytes: float, link: str = "",
                  wait_s: float = 0.0) -> float:
@@ -277,6 +279,8 @@ class Estimate:
             words.append(f"--microbatches {t.grad_accum}")
         elif t.grad_accum > 1:
             words.append(f"--grad-accum {t.grad_accum}")
+            if self.reduce_every_micro_batch:
+                words.append("--reduce-every-micro-batch")
         if t.checkpointing != "none":
             words.append("--activation-checkpointing")
         if self.layout.is_zero:
@@ -293,11 +297,13 @@ class Estimate:
                                 grad_accum=t.grad_accum if self.pp == 1 else 1,
                                 activation_checkpointing="" if t.checkpointing != "none" else None,
                                 dp=self.dp, tp=self.tp if self.tp > 1 else None, pp=self.pp if self.pp > 1 else None,
-                                sp=self.tp > 1, microbatches=t.grad_accum if self.pp > 1 else None)
+                                sp=self.tp > 1, microbatches=t.grad_accum if self.pp > 1 else None,
+                                reduce_every_micro_batch=self.reduce_every_micro_batch)
         lay = self.layout
         return StrategySpec(lay.strategy, precision=t.precision, grad_accum=t.grad_accum,
                             activation_checkpointing="" if t.checkpointing != "none" else None,
                             reshard_after_forward=lay.reshard, offload=lay.offload,
+                            reduce_every_micro_batch=self.reduce_every_micro_batch,
                             micro_batch=t.micro_batch if lay.is_zero else 8)
 
     def _mesh_word(self, t: Training) -> str:
@@ -512,7 +518,8 @@ def estimate(layout: Layout | str, m: ModelShape, t: Training, hw: Hardware, tp:
     layout = as_layout(layout)
     n = hw.devices // (tp * pp)
     e = Estimate(layout, n, tp, pp, capacity=hw.device_memory, host_capacity=hw.host_memory,
-                 micro_batch=t.micro_batch, micro_batches=t.grad_accum)
+                 micro_batch=t.micro_batch, micro_batches=t.grad_accum,
+                 reduce_every_micro_batch=reduce_every_micro_batch)
     psi = m.params
     mixed = t.precision in ("bf16", "fp16")
     adam = t.optimizer in ("adam", "adamw")

@@ -58,6 +58,10 @@ def recommend(m: ModelShape, t: Training, hw: Hardware, advise: bool = True) -> 
     estimates are not finer than that.
     """
     ests = [estimate(name, m, t, hw, tp, pp) for name, tp, pp in candidate_layouts(m, hw)]
+    # FSDP accumulating micro-batches holds every unit's gradients unsharded in fp32: where that does not
+    # fit, the same layout reduce-scattering each micro-batch's (more bytes a step) may
+    ests += [estimate(e.layout, m, t, hw, e.tp, e.pp, reduce_every_micro_batch=True) for e in ests
+             if t.grad_accum > 1 and e.pp == 1 and (e.layout.is_fsdp or e.dp_sharded) and not e.fits]
     fit = [e for e in ests if e.fits]
     bad = [e for e in ests if not e.fits]
     rec = Recommendation()
@@ -119,9 +123,9 @@ def runnable_choices(rec: "Recommendation", t: Training) -> list:
 
 
 def _label(e: Estimate) -> str:
-    if not e.layout.mesh:
-        return e.layout.label
-    return f"Megatron TP {e.tp} x PP {e.pp} x {'FSDP' if e.dp_sharded else 'DP'} {e.dp}"
+    label = (e.layout.label if not e.layout.mesh else
+             f"Megatron TP {e.tp} x PP {e.pp} x {'FSDP' if e.dp_sharded else 'DP'} {e.dp}")
+    return label + (", reducing every micro-batch" if e.reduce_every_micro_batch else "")
 
 
 def _split(e: Estimate) -> str:
