@@ -227,6 +227,24 @@ def test_fsdp_reducing_every_micro_batch_trades_memory_for_bytes_as_predicted(na
     assert back.figure == "bus bytes / step" and back.predicted < back.before and "memory +" in back.effect, back
 
 
+def test_modules_kept_whole_all_reduce_every_micro_batch_too(nano):
+    """fsdp --replicate Embedding: the embeddings stay whole, their gradients all-reduced (PyTorch's
+    FSDP2-based replicate); with --reduce-every-micro-batch that all-reduce comes once a micro-batch as
+    well (32 -> 64 KiB a step here), and the bus bytes are the planner's exactly (a Llama; the cell's own
+    all-reduce of its losses, 8 bytes a step, is the only difference)."""
+    measured = []
+    for line in ("fsdp --replicate Embedding --grad-accum 2",
+                 "fsdp --replicate Embedding --grad-accum 2 --reduce-every-micro-batch"):
+        _accumulated_losses(nano, "llama", line)
+        v = nbtool.predicted_vs_measured()
+        row = v.row("bus bytes / step")
+        assert row.within and abs(row.error) < 1e-3 and v.row("peak tensor memory").within, v.text()
+        measured.append(run_analysis.summary(nbtool.last_run())["comm_bytes_per_step"])
+    loss = 8  # the cell's all-reduce of each micro-batch's 4-byte loss
+    assert measured[1]["all_reduce"] - loss == 2 * (measured[0]["all_reduce"] - loss), measured
+    assert measured[1]["reduce_scatter"] == 2 * measured[0]["reduce_scatter"], measured
+
+
 def _accumulated_losses(nano, family: str, line: str) -> list:
     """Rank 0's losses of 3 optimizer steps of 2 micro-batches each under ``line``, with a memory timeline."""
     nano.run_cell(f"%%distributed {line} --memory-timeline --quiet\n"
