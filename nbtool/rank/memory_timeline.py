@@ -22,7 +22,8 @@ recorded: torch materialises every op, allocation and Python call of the
 cell (here 25 MB a step for the tutorial model on one process, 0.5 GB a step
 a rank under fsdp --tp 2 --pp 2, whose DTensor dispatch runs many more).
 So it records the cell's first ``--timeline-steps`` optimizer steps and then
-stops following ops and Python calls (``TimelineRecorder.on_step``). Where the host may not hold every rank's at once, its ranks take turns
+stops following ops and Python calls (``TimelineRecorder.on_step``). Where
+the host may not hold every rank's at once, its ranks take turns
 (nbtool.rank.host_turns: 8 ranks of that run had the OOM killer take one on
 a 24 GB host), and each gives the memory back to the system when done
 (glibc's ``malloc_trim``; without it an engine kept 0.8-3 GB after the cell).

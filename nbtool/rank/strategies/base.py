@@ -158,7 +158,7 @@ class Strategy:
         wrapped, inner = self._wrap(model, optimizer)
         if not self.spec.compile:  # under --compile the hook would be traced, and removing it recompile
             self._batch_hook = model.register_forward_pre_hook(self._first_forward, with_kwargs=True)
-        self._set_gradient_sync(self.spec.grad_accum == 1)  # set ahead of the first forward, as backward() does
+        self._set_gradient_sync(self._next_backward_syncs())  # set ahead of the first forward, as backward() does
         if self.spec.compile:  # compilation happens in the first forward and backward
             from ..compile_time import CompileClock
 
@@ -188,7 +188,12 @@ class Strategy:
         self._micro += 1
         self._backward(loss)
         # the next forward must know whether its backward ends the window
-        self._set_gradient_sync((self._micro + 1) % self.spec.grad_accum == 0)
+        self._set_gradient_sync(self._next_backward_syncs())
+
+    def _next_backward_syncs(self) -> bool:
+        """Whether the next micro-batch's backward reduces its gradients: it ends the accumulation
+        window, or every micro-batch reduces (fsdp --reduce-every-micro-batch)."""
+        return (self._micro + 1) % self.spec.grad_accum == 0 or self.spec.reduce_every_micro_batch
 
     def forward_backward(self, inputs, targets, loss_fn=None) -> torch.Tensor:
         """``loss = loss_fn(model(inputs), targets)``, then ``backward(loss)``; returns the loss, detached.

@@ -89,7 +89,7 @@ class FSDPStrategy(Strategy):
         return model, optimizer
 
     def _set_gradient_sync(self, sync: bool) -> None:
-        self._plain.set_requires_gradient_sync(sync or self.spec.reduce_every_micro_batch)
+        self._plain.set_requires_gradient_sync(sync)
 
     def _tally(self, tally: Tally) -> None:
         super()._tally(tally, offloaded=bool(self.spec.offload))

@@ -170,7 +170,7 @@ class MeshStrategy(Strategy):
 
     def _set_gradient_sync(self, sync: bool) -> None:
         if self.name == "fsdp" and self.pp == 1 and self._plain is not None:
-            self._plain.set_requires_gradient_sync(sync or self.spec.reduce_every_micro_batch)
+            self._plain.set_requires_gradient_sync(sync)
 
     # -- training --------------------------------------------------------------------
     def _backward(self, loss):
