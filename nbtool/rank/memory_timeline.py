@@ -222,8 +222,8 @@ def _free_times(prof, device) -> tuple[list, dict, list]:
     - sent (a send's input), or only ever broadcast or scattered from (the source rank's flat copy
       in DDP's start-up broadcast of the parameters; the contiguous chunks DTensor scatters when it
       shards a weight over tp: blocks of 8 KiB had stayed in a tp x pp run's peak, up to 34 KiB
-      or +7.5%, as their addresses were or were not handed out again), and held by no Python tensor now (the
-      cell is over): when the last send, broadcast or scatter of it ended;
+      or +7.5%, as their addresses were or were not handed out again), and held by no Python
+      tensor now (the cell is over): when the last send, broadcast or scatter of it ended;
     - made inside a functional collective (``_c10d_functional::*``: tensor parallelism's DTensor
       all-reduces clone their input into the result, which the worker may let go of last), or only
       ever all-gathered into or reduce-scattered (FSDP2's flat all-gather output, read by its
